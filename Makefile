@@ -1,0 +1,27 @@
+# horovod_aq — the two commands README.md starts with, and a few more.
+#   make demo   set up what is missing, then train the PyTorch example on 2 local ranks
+#   make test   set up what is missing, then run the whole test suite
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast lint clean-venv
+
+setup:
+	@scripts/setup.sh --venv $(VENV)
+
+demo: setup
+	@$(PY) -m horovod_aq.cli demo
+
+test: setup
+	@$(PY) -m pytest $(PYTEST_ARGS)
+
+# Single-process tests only (no Horovod launches): quick feedback while developing.
+test-fast: setup
+	@$(PY) -m pytest -m "not multiprocess" $(PYTEST_ARGS)
+
+lint: setup
+	@$(VENV)/bin/ruff check horovod_aq tests benchmarks examples
+
+clean-venv:
+	rm -rf $(VENV)
