@@ -1,0 +1,589 @@
+"""PyTorch kernels for the horovod_aq payload: the same bytes as the numpy oracle.
+
+``encode`` / ``decode`` / ``decode_average`` / ``quantize`` implement ``horovod_aq.codec`` (read its
+module docstring for the payload layout and the eight arithmetic steps) with torch ops only, on
+whatever device the input lives (CPU or CUDA). Given the same uniforms they produce the same bytes
+as ``codec.encode`` and the TensorFlow kernels, and each decodes the others' payloads::
+
+    payload = encode(grad, table, bucket_size=512, generator=gen)     # uint8, same device
+    gathered = hvd.allgather(payload, name="aq.ag.w").view(world, -1) # [P, size]
+    avg = decode_average(gathered, table).view_as(grad)               # bitwise equal on all ranks
+
+Bit-exactness rules followed here (each one matters on some backend):
+
+* the l2 norm sums float64 squares in the canonical pairwise order of ``codec`` (step 2) with
+  explicit tensor halving, never ``torch.sum`` (whose order is unspecified);
+* every division is tensor / tensor on the input's device (CUDA turns division by a *CPU scalar*
+  into multiplication by its reciprocal, which is not IEEE division);
+* decoded payloads are summed one rank at a time with ``add_`` (step 7), never ``sum(dim=0)``;
+* products and sums are separate ops (no ``addcmul`` where an FMA would change the rounding; the
+  one ``addcmul`` left adds an exact float64 square, so fusing cannot change it).
+
+Host synchronisation: ``encode`` makes one host sync, ``bool(torch.isfinite(norms).all())`` on
+the ⌈n/B⌉ bucket norms (a non-finite input makes its bucket's norm non-finite, so this checks the
+whole gradient without a pass over it); explicit ``uniforms`` add a range check. ``decode`` and
+``decode_average`` copy the 32-byte headers to the host once to validate them. Nothing else
+leaves the device. A corrupted code ≥ N (only possible for tables with N < 2^b levels) decodes to
+NaN instead of raising, to avoid a sync; the numpy oracle raises.
+
+Performance (CPU): no Python loops over buckets or coordinates. The only Python loops are over the
+⌈log₂ B⌉ halving steps of the norm, the ranks in ``decode_average`` and, to stay in cache, over
+chunks of whole buckets (``CHUNK_ELEMENTS``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from horovod_aq import codec
+from horovod_aq.codec import HEADER_SIZE, NORM_BYTES, PayloadError
+from horovod_aq.levels.table import LevelTable
+
+__all__ = ["bucket_norms", "bucket_stats", "decode", "decode_average", "encode", "pack_bits",
+           "quantize", "unpack_bits"]
+
+#: Work on about this many elements at a time (rounded to whole buckets and groups of 8 codes),
+#: so that the float64 and index temporaries of one chunk stay in the CPU caches.
+CHUNK_ELEMENTS = 1 << 18
+ACCELERATOR_CHUNK_ELEMENTS = 1 << 24
+_CACHE_ENTRIES = 32  # a prepared table holds a 1.5 MB cell array
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("horovod_aq.torch.kernels assumes a little-endian host (the wire is LE)")
+
+
+# ------------------------------------------------------------------------------------ caches
+
+
+class _DeviceCache:
+    """A small thread-safe LRU of device tensors (level tables, headers, shift vectors)."""
+
+    def __init__(self, entries: int = _CACHE_ENTRIES) -> None:
+        self._items: OrderedDict[tuple, Any] = OrderedDict()
+        self._entries = entries
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, make: Callable[[], Any]) -> Any:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        value = make()
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self._entries:
+                self._items.popitem(last=False)
+        return value
+
+
+_CACHE = _DeviceCache()
+
+
+#: The interval finder's cells span 2^CELL_SHIFT consecutive float32 values: 23 − 13 = 10
+#: mantissa bits are kept, so a cell is 2^−10 ≈ 0.1 % of its magnitude wide.
+CELL_SHIFT = 13
+_CELL_MASK = (1 << (32 - CELL_SHIFT)) - 1
+_NEGATIVE_CELLS = 1 << (31 - CELL_SHIFT)  # cell index of −0.0; negative floats come after it
+_ONE_CELL = int(np.float32(1.0).view(np.int32)) >> CELL_SHIFT  # the last cell with |r| ≤ 1
+
+
+class _Table:
+    """A level table prepared for one device (cached per version, hash and device).
+
+    Holds float32 ``levels`` L, ``gaps`` L[j+1] − L[j], ``following`` (L[k+1], +inf at the end),
+    ``lookup`` (L padded with NaN to 2^bits entries, for decoding) and ``cells``.
+
+    ``cells`` replaces ``torch.searchsorted`` (~7 ns per element on CPU, the slowest step) by
+    two table look-ups. The float32 bit pattern of r ∈ [−1, 1] without its low CELL_SHIFT bits
+    names a *cell* of 2^CELL_SHIFT consecutive floats; the cell stores j at its smallest float.
+    When no cell holds two levels, at most the level L[j+1] lies inside the cell, so
+
+        j(r) = cells[bits(r) >> CELL_SHIFT] + [r ≥ L[j+1]]
+
+    is exactly searchsorted's answer (−0.0 and +0.0 included: comparisons are on floats). Tables
+    with two levels in one cell (levels closer than ~0.1 % of their size) fall back to
+    searchsorted (``cells`` is None); both paths are tested against each other.
+    """
+
+    def __init__(self, table: LevelTable, device) -> None:
+        levels = codec.float32_levels(table)
+        lookup = np.full(1 << table.bits, np.nan, dtype=np.float32)
+        lookup[: levels.size] = levels
+
+        def put(arr: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(arr).to(device)
+
+        self.levels = put(levels)
+        self.gaps = put(levels[1:] - levels[:-1])
+        self.following = put(np.append(levels[1:], np.float32(np.inf)))
+        self.lookup = put(lookup)
+        self.num_levels = levels.size
+        # Flushed subnormal levels make a run of zeros; −0.0 must then be looked up as +0.0.
+        self.plus_zero = int(np.count_nonzero(levels == 0)) > 1
+        cells = _build_cells(levels, self.plus_zero)
+        self.cells = None if cells is None else torch.from_numpy(cells).to(device)
+
+    def locate(self, r: torch.Tensor) -> torch.Tensor:
+        """j = clip(searchsorted(L, r, right) − 1, 0, N − 2) as int32, for r in [−1, 1]."""
+        if self.cells is None:
+            j = torch.searchsorted(self.levels, r, right=True, out_int32=True).sub_(1)
+            return j.clamp_(0, self.num_levels - 2)
+        if self.plus_zero:
+            r.add_(0.0)  # −0.0 + 0.0 = +0.0; codes do not change (ξ = ±0 either way)
+        cell = (r.view(torch.int32) >> CELL_SHIFT).bitwise_and_(_CELL_MASK)
+        j = self.cells.index_select(0, cell)
+        j += r >= self.following.index_select(0, j)
+        return j.clamp_(max=self.num_levels - 2)
+
+
+def _build_cells(levels: np.ndarray, plus_zero: bool) -> np.ndarray | None:
+    """int32 j at the smallest float of every cell (clipped to 0..N−1), or None when some cell
+    holds two levels. Unused cells (|r| > 1) hold 0. With ``plus_zero`` the lookup never sees
+    −0.0, so the cell of the negative subnormals ends at −2^−149."""
+    magnitude = np.arange(_ONE_CELL + 1, dtype=np.int64) << CELL_SHIFT
+    lowest = magnitude.astype(np.int32).view(np.float32)  # of the positive cells
+    highest = (magnitude + (1 << CELL_SHIFT) - 1).astype(np.int32).view(np.float32)
+    negative_largest = -lowest
+    if plus_zero:
+        negative_largest[0] = -np.float32(2.0**-149)
+    cells = np.zeros(_NEGATIVE_CELLS + _ONE_CELL + 1, dtype=np.int32)
+    for smallest, largest, offset in ((lowest, highest, 0),
+                                      (-highest, negative_largest, _NEGATIVE_CELLS)):
+        j_small = np.searchsorted(levels, smallest, side="right") - 1
+        j_large = np.searchsorted(levels, largest, side="right") - 1
+        if int((j_large - j_small).max()) > 1:
+            return None
+        cells[offset : offset + smallest.size] = np.clip(j_small, 0, levels.size - 1)
+    return cells
+
+
+def _table(table: LevelTable, device) -> _Table:
+    key = ("table", table.version, table.hash, table.num_levels, str(device))
+    return _CACHE.get(key, lambda: _Table(table, device))
+
+
+def _header(numel: int, table: LevelTable, bucket_size: int, norm: str, device) -> torch.Tensor:
+    def make():
+        raw = codec.make_header(numel, table, bucket_size, norm)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+
+    key = ("header", numel, table.version, table.hash, table.num_levels, bucket_size, norm,
+           str(device))
+    return _CACHE.get(key, make)
+
+
+def _shifts(bits: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[0, b, 2b, …, 7b]: the bit offset of each code inside its group of 8."""
+    return _CACHE.get(("shifts", bits, dtype, str(device)),
+                      lambda: torch.arange(8, dtype=dtype, device=device) * bits)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _as_float32_flat(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"expected a floating-point gradient, got dtype {x.dtype}")
+    return x.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _per_bucket(op, values: torch.Tensor, per_bucket: torch.Tensor, bucket_size: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """op(values_i, per_bucket[bucket(i)]) elementwise into ``out`` (new if None), without
+    materialising a per-element copy of ``per_bucket``. ``values`` starts at a bucket boundary."""
+    n = values.numel()
+    full_buckets = n // bucket_size
+    full = full_buckets * bucket_size
+    if out is None:
+        out = torch.empty_like(values)
+    if full_buckets:
+        op(values[:full].view(full_buckets, bucket_size), per_bucket[:full_buckets, None],
+           out=out[:full].view(full_buckets, bucket_size))
+    if full < n:
+        op(values[full:], per_bucket[full_buckets:], out=out[full:])
+    return out
+
+
+def _chunks(n: int, bucket_size: int, device: torch.device) -> list[tuple[int, int]]:
+    """(start, stop) ranges of whole buckets and whole groups of 8 codes.
+
+    About ``CHUNK_ELEMENTS`` on CPU (cache blocking), ``ACCELERATOR_CHUNK_ELEMENTS`` elsewhere
+    (only to bound temporary memory; kernel launches are what costs there).
+    """
+    target = CHUNK_ELEMENTS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
+    unit = bucket_size * 8 // math.gcd(bucket_size, 8)
+    step = max(unit, target // unit * unit)
+    return [(s, min(s + step, n)) for s in range(0, n, step)]
+
+
+# -------------------------------------------------------------------------------------- norms
+
+
+def _l2_rows(rows: torch.Tensor) -> torch.Tensor:
+    """float32(sqrt(pairwise float64 sum of squares)) of each row of a float32 matrix."""
+    width = _next_pow2(rows.shape[1])
+    if width != rows.shape[1]:
+        rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
+    if width == 1:
+        return rows[:, 0].abs()  # sqrt(x²) = |x| exactly
+    half = width // 2
+    acc = rows[:, :half].to(torch.float64)
+    acc.mul_(acc)
+    upper = rows[:, half:].to(torch.float64)
+    acc.addcmul_(upper, upper)  # upper² is exact in float64, so a fused multiply-add is too
+    while half > 1:
+        half //= 2
+        acc = acc[:, :half] + acc[:, half:]
+    return acc[:, 0].sqrt().to(torch.float32)
+
+
+def _norms(flat: torch.Tensor, bucket_size: int, norm: str) -> torch.Tensor:
+    """float32 norms of all buckets (codec step 2), chunk by chunk."""
+    out = torch.empty(-(-flat.numel() // bucket_size), dtype=torch.float32, device=flat.device)
+    for start, stop in _chunks(flat.numel(), bucket_size, flat.device):
+        part = flat[start:stop]
+        full_buckets = part.numel() // bucket_size
+        full = full_buckets * bucket_size
+        b0 = start // bucket_size
+        pieces = []
+        if full_buckets:
+            pieces.append((part[:full].view(full_buckets, bucket_size), b0, b0 + full_buckets))
+        if full < part.numel():
+            pieces.append((part[full:].view(1, -1), b0 + full_buckets, b0 + full_buckets + 1))
+        for rows, lo, hi in pieces:
+            out[lo:hi] = rows.abs().amax(dim=1) if norm == "linf" else _l2_rows(rows)
+    return out
+
+
+def bucket_norms(x: torch.Tensor, bucket_size: int, norm: str = "l2") -> torch.Tensor:
+    """float32 norm of every bucket (``codec.bucket_norms``), on x's device. No validation."""
+    bucket_size = codec._check_bucket_size(bucket_size)
+    return _norms(_as_float32_flat(x), bucket_size, codec._check_norm(norm))
+
+
+def _check_finite(flat: torch.Tensor, norms: torch.Tensor) -> None:
+    """One host sync: a non-finite element makes its bucket's norm non-finite."""
+    if norms.numel() == 0 or bool(torch.isfinite(norms).all()):
+        return
+    bad = ~torch.isfinite(flat)  # error path only
+    count = int(bad.sum())
+    if count:
+        raise ValueError(codec.non_finite_message(count, int(bad.int().argmax()), flat.numel()))
+    raise ValueError(codec.norm_overflow_message(int((~torch.isfinite(norms)).int().argmax())))
+
+
+# ----------------------------------------------------------------------------------- rounding
+
+
+def _round(r: torch.Tensor, u: torch.Tensor, tab: _Table) -> torch.Tensor:
+    """Codes (int32) of normalized r by unbiased stochastic rounding (codec step 4). Consumes r."""
+    j = tab.locate(r)
+    r.sub_(tab.levels.index_select(0, j)).div_(tab.gaps.index_select(0, j))  # ξ, in place
+    j += u < r
+    return j
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """LSB-first packing of a multiple-of-8 number of int codes into codes·bits/8 bytes."""
+    if bits == 8:
+        return codes.to(torch.uint8)
+    groups = codes.numel() // 8
+    word = torch.int32 if bits <= 4 else torch.int64
+    word_bytes = 4 if bits <= 4 else 8
+    grouped = codes.view(groups, 8).to(word) << _shifts(bits, word, codes.device)
+    words = grouped.sum(dim=1, dtype=word)  # disjoint bit fields: the sum is a bitwise OR
+    return words.view(torch.uint8).view(groups, word_bytes)[:, :bits].reshape(-1)
+
+
+def _unpack(stream: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``_pack`` for a multiple-of-8 number of codes: int32 or int64 codes."""
+    if bits == 8:
+        return stream.to(torch.int32)
+    groups = stream.numel() // bits
+    word = torch.int32 if bits <= 4 else torch.int64
+    word_bytes = 4 if bits <= 4 else 8
+    if bits == word_bytes and stream.storage_offset() % word_bytes == 0:
+        words = stream.view(word).view(groups, 1)  # 4 bits: 8 codes are one aligned int32
+    else:
+        buf = torch.empty(groups, word_bytes, dtype=torch.uint8, device=stream.device)
+        buf[:, bits:] = 0
+        buf[:, :bits] = stream.view(groups, bits)
+        words = buf.view(word).view(groups, 1)
+    codes = (words >> _shifts(bits, word, stream.device)).bitwise_and_((1 << bits) - 1)
+    return codes.view(-1)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``codec.pack_bits`` in torch: codes (< 2^bits) → ⌈n·bits/8⌉ uint8."""
+    bits = codec._check_bits(bits)
+    n = codes.numel()
+    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.int32, device=codes.device)
+    padded[:n] = codes.reshape(-1)
+    return _pack(padded, bits)[: codec.packed_size(n, bits)]
+
+
+def unpack_bits(stream: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """``codec.unpack_bits`` in torch: the first ``count`` codes, as uint8."""
+    bits = codec._check_bits(bits)
+    nbytes = codec.packed_size(count, bits)
+    if stream.numel() < nbytes:
+        raise PayloadError(f"code stream is truncated: {stream.numel()} bytes, {nbytes} needed")
+    padded = torch.zeros(-(-count // 8) * bits, dtype=torch.uint8, device=stream.device)
+    padded[:nbytes] = stream.reshape(-1)[:nbytes]
+    return _unpack(padded, bits)[:count].to(torch.uint8)
+
+
+# ------------------------------------------------------------------------------------- encode
+
+
+def _explicit_uniforms(n: int, device, uniforms) -> torch.Tensor | None:
+    if uniforms is None:
+        return None
+    if not isinstance(uniforms, torch.Tensor):
+        uniforms = torch.as_tensor(np.asarray(uniforms, dtype=np.float32))
+    if uniforms.numel() != n:
+        raise ValueError(f"uniforms must have shape ({n},), got {tuple(uniforms.shape)}")
+    u = uniforms.detach().reshape(-1).to(device=device, dtype=torch.float32)
+    if n and not bool(((u >= 0) & (u < 1)).all()):  # a second sync, explicit uniforms only
+        raise ValueError("uniforms must lie in [0, 1) after rounding to float32")
+    return u
+
+
+def _prepare(x, levels, bucket_size, norm, uniforms):
+    """Validate everything (one sync) before any uniform is drawn: bad input touches nothing."""
+    table = codec.as_table(levels)
+    bucket_size = codec._check_bucket_size(bucket_size)
+    norm = codec._check_norm(norm)
+    flat = _as_float32_flat(x)
+    _table(table, flat.device)  # validates the float32 table (codec.float32_levels) and caches it
+    norms = _norms(flat, bucket_size, norm)
+    _check_finite(flat, norms)
+    u = _explicit_uniforms(flat.numel(), flat.device, uniforms)
+    return table, bucket_size, norm, flat, norms, u
+
+
+def _quantize_chunks(flat, norms, u, generator, table, bucket_size, emit) -> None:
+    """Normalize and round chunk by chunk; hand each chunk's int32 codes (zero-padded to a
+    multiple of 8) to ``emit(start, stop, codes)``.
+
+    Without explicit uniforms each chunk draws ``torch.rand(stop − start, generator=…)`` in
+    order; on CPU this is the same stream as one ``torch.rand(n, generator=…)``.
+    """
+    tab = _table(table, flat.device)
+    safe = torch.where(norms == 0, torch.ones_like(norms), norms)  # zero bucket: 0 / 1 = 0
+    for start, stop in _chunks(flat.numel(), bucket_size, flat.device):
+        size = stop - start
+        b0, b1 = start // bucket_size, -(-stop // bucket_size)
+        r = _per_bucket(torch.div, flat[start:stop], safe[b0:b1], bucket_size)
+        r.clamp_(-1.0, 1.0)
+        uc = u[start:stop] if u is not None else torch.rand(
+            size, generator=generator, device=flat.device, dtype=torch.float32)
+        codes = _round(r, uc, tab)
+        if size % 8:
+            codes = torch.nn.functional.pad(codes, (0, 8 - size % 8))
+        emit(start, stop, codes)
+
+
+def encode(
+    x: torch.Tensor,
+    levels: LevelTable | Any,
+    *,
+    bucket_size: int,
+    norm: str = "l2",
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Quantize and pack x into a uint8 payload on x's device (``codec.encode``).
+
+    Args:
+        x: gradient of any shape; float16/bfloat16/float32/float64, finite.
+        levels: a ``LevelTable`` (or an array, taken as version 0).
+        bucket_size, norm: as in ``codec.encode``.
+        generator: ``torch.Generator`` on x's device for the uniforms (default: torch's global).
+        uniforms: n float32 values in [0, 1) (tensor or array); overrides ``generator``.
+    """
+    table, bucket_size, norm, flat, norms, u = _prepare(x, levels, bucket_size, norm, uniforms)
+    n, bits = flat.numel(), table.bits
+    nb = norms.numel()
+    codes_at = HEADER_SIZE + NORM_BYTES * nb
+    payload = torch.empty(codec.payload_size(n, bits, bucket_size), dtype=torch.uint8,
+                          device=flat.device)
+    payload[:HEADER_SIZE] = _header(n, table, bucket_size, norm, flat.device)
+    payload[HEADER_SIZE:codes_at] = norms.view(torch.uint8)
+    stream = payload[codes_at:]
+
+    def emit(start, stop, codes):
+        packed = _pack(codes, bits)  # start is a multiple of 8: whole bytes
+        lo = start * bits // 8
+        hi = codec.packed_size(stop, bits)
+        stream[lo:hi] = packed[: hi - lo]
+
+    _quantize_chunks(flat, norms, u, generator, table, bucket_size, emit)
+    return payload
+
+
+def quantize(
+    x: torch.Tensor,
+    levels: LevelTable | Any,
+    *,
+    bucket_size: int,
+    norm: str = "l2",
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``decode(encode(x))`` without packing: flat quantized values, bitwise the same."""
+    table, bucket_size, norm, flat, norms, u = _prepare(x, levels, bucket_size, norm, uniforms)
+    lookup = _table(table, flat.device).lookup
+    out = torch.empty_like(flat)
+
+    def emit(start, stop, codes):
+        b0 = start // bucket_size
+        b1 = -(-stop // bucket_size)
+        values = lookup.index_select(0, codes[: stop - start])
+        _per_bucket(torch.mul, values, norms[b0:b1], bucket_size, out=out[start:stop])
+
+    _quantize_chunks(flat, norms, u, generator, table, bucket_size, emit)
+    return out.to(dtype)
+
+
+# ------------------------------------------------------------------------------------- decode
+
+
+def _host_headers(rows: torch.Tensor) -> list[codec.Header]:
+    """Parse the headers of a [P, size] uint8 tensor (one 32·P-byte copy to the host)."""
+    raw = rows[:, :HEADER_SIZE].cpu().numpy()
+    return [codec.parse_header(row) for row in raw]
+
+
+def _check_payload_tensor(payload: torch.Tensor, ndim: int) -> None:
+    if not isinstance(payload, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor payload, got {type(payload).__name__}")
+    if payload.dtype != torch.uint8 or payload.dim() != ndim:
+        shape = "[P, size]" if ndim == 2 else "1-D"
+        raise PayloadError(
+            f"a payload must be a {shape} uint8 tensor, got dtype {payload.dtype} and shape "
+            f"{tuple(payload.shape)}"
+        )
+
+
+def _decode_checked(row: torch.Tensor, header: codec.Header, table: LevelTable) -> torch.Tensor:
+    """float32 values of one validated payload row (1-D uint8, exact size)."""
+    n, bits, bucket_size = header.numel, header.bits, header.bucket_size
+    codes_at = header.codes_offset
+    norm_bytes = row[HEADER_SIZE:codes_at]
+    if norm_bytes.storage_offset() % NORM_BYTES or not norm_bytes.is_contiguous():
+        norm_bytes = norm_bytes.clone()  # e.g. a row of a gathered buffer with an odd size
+    norms = norm_bytes.view(torch.float32)
+    lookup = _table(table, row.device).lookup
+    out = torch.empty(n, dtype=torch.float32, device=row.device)
+    stream = row[codes_at:]
+    for start, stop in _chunks(n, bucket_size, row.device):
+        lo, hi = start * bits // 8, codec.packed_size(stop, bits)
+        chunk = stream[lo:hi]
+        full_bytes = -(-(stop - start) // 8) * bits
+        if hi - lo < full_bytes:
+            chunk = torch.nn.functional.pad(chunk, (0, full_bytes - (hi - lo)))
+        codes = _unpack(chunk, bits)[: stop - start]
+        values = lookup.index_select(0, codes)
+        _per_bucket(torch.mul, values, norms[start // bucket_size : -(-stop // bucket_size)],
+                    bucket_size, out=out[start:stop])
+    return out
+
+
+def _expect(header: codec.Header, table, size: int, numel, bucket_size, norm) -> None:
+    codec.check_header(header, table, numel=numel, bucket_size=bucket_size, norm=norm)
+    codec._check_size(header, size)
+
+
+def decode(
+    payload: torch.Tensor,
+    levels: LevelTable | Any,
+    *,
+    dtype: torch.dtype = torch.float32,
+    numel: int | None = None,
+    bucket_size: int | None = None,
+    norm: str | None = None,
+) -> torch.Tensor:
+    """Decode one uint8 payload (any framework's) into a flat tensor of ``dtype``, same device."""
+    table = codec.as_table(levels)
+    _check_payload_tensor(payload, 1)
+    if payload.numel() < HEADER_SIZE:
+        codec.parse_header(payload.cpu().numpy())  # raises "truncated"
+    (header,) = _host_headers(payload[None])
+    _expect(header, table, payload.numel(), numel, bucket_size, norm)
+    return _decode_checked(payload, header, table).to(dtype)
+
+
+def decode_average(
+    payloads: torch.Tensor,
+    levels: LevelTable | Any,
+    *,
+    dtype: torch.dtype = torch.float32,
+    numel: int | None = None,
+    bucket_size: int | None = None,
+    norm: str | None = None,
+) -> torch.Tensor:
+    """Decode the P rows of a gathered [P, size] buffer and average them (codec step 7).
+
+    Rows are added one at a time in rank order in float32 and the sum is divided by P (a
+    device tensor, so CUDA performs a true division): bitwise equal on every rank and to
+    ``codec.decode_average``. Only one decoded row is alive besides the accumulator.
+    """
+    table = codec.as_table(levels)
+    _check_payload_tensor(payloads, 2)
+    world, size = payloads.shape
+    if world == 0:
+        raise PayloadError("decode_average needs at least one payload row")
+    if size < HEADER_SIZE:
+        codec.parse_header(payloads[0].cpu().numpy())  # raises "truncated"
+    headers = _host_headers(payloads)
+    first = headers[0]
+    numel = first.numel if numel is None else numel
+    bucket_size = first.bucket_size if bucket_size is None else bucket_size
+    norm = first.norm if norm is None else norm
+    for rank, header in enumerate(headers):
+        try:
+            _expect(header, table, size, numel, bucket_size, norm)
+        except PayloadError as err:
+            raise PayloadError(f"rank {rank}: {err}") from None
+    acc = _decode_checked(payloads[0], first, table)
+    for rank in range(1, world):
+        acc.add_(_decode_checked(payloads[rank], headers[rank], table))
+    acc.div_(torch.full((), world, dtype=torch.float32, device=acc.device))
+    return acc.to(dtype)
+
+
+# --------------------------------------------------------------------------------- statistics
+
+
+def bucket_stats(x: torch.Tensor, bucket_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(norms, means, stds) of the full buckets with a non-zero norm, as float64 numpy arrays.
+
+    Same definition as ``codec.bucket_stats`` (u = v/‖v‖₂, std with ddof = 1, float64), computed
+    on x's device; only the three result vectors are copied to the host.
+    """
+    bucket_size = codec._check_int("bucket_size", bucket_size, 2, codec.MAX_BUCKET_SIZE)
+    flat = _as_float32_flat(x)
+    full_buckets = flat.numel() // bucket_size
+    rows = flat[: full_buckets * bucket_size].view(full_buckets, bucket_size).to(torch.float64)
+    norms = rows.square().sum(dim=1).sqrt()
+    keep = norms > 0
+    u = rows[keep] / norms[keep, None]
+    stats = (norms[keep], u.mean(dim=1), u.std(dim=1, correction=1))
+    return tuple(t.cpu().numpy() for t in stats)  # type: ignore[return-value]
