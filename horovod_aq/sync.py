@@ -1,0 +1,159 @@
+"""Level-table agreement across ranks: stats gather → fit on the root → broadcast.
+
+Protocol (DESIGN.md, ``quantizers.md`` §5.2), run at the same step on every rank of the process
+set because the refit schedule is a function of the global step:
+
+1. each rank summarizes its gradient as :class:`~horovod_aq.levels.stats.BucketStats` (top-K
+   buckets by norm plus pooled sums) and serializes it to a fixed-length float64 vector;
+2. one allgather gives every rank all P vectors (fixed length, so no size negotiation);
+3. the root (rank 0 of the set) merges them (global top-K), fits the new table and
+4. broadcasts ``[status, version, ℓ_0 … ℓ_{N−1}]``; every rank installs exactly those float64
+   values, so tables are bitwise identical everywhere — no rank fits on its own.
+
+A failed fit (no usable statistics, a numerical error) is broadcast as a status and every rank
+keeps its current table, so the ranks never diverge.
+
+The transport is a :class:`Comm`: the framework integrations provide Horovod-backed ones
+(named collectives on the user's process set), and :class:`MPIComm` uses mpi4py on a duplicate
+of the world communicator (restricted to the process set) under the MPI controller.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from horovod_aq.levels.table import LevelTable
+
+logger = logging.getLogger(__name__)
+
+#: Status codes carried in the first slot of the broadcast table message.
+FIT_OK = 1.0
+FIT_FAILED = 0.0
+
+
+class Comm(Protocol):
+    """The two collectives the refit protocol needs, on one process set."""
+
+    rank: int
+    size: int
+
+    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
+        """Gather a 1-D float64 array of the same length from every rank → [size, length]."""
+        ...
+
+    def broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
+        """Return the root's 1-D float64 array (same length on every rank)."""
+        ...
+
+
+class LocalComm:
+    """A single-rank :class:`Comm` (no communication); used with one process and in tests."""
+
+    rank = 0
+    size = 1
+
+    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
+        return np.asarray(array, dtype=np.float64)[None, :].copy()
+
+    def broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
+        return np.asarray(array, dtype=np.float64).copy()
+
+
+class MPIComm:
+    """mpi4py transport on a duplicate of ``MPI.COMM_WORLD`` restricted to ``ranks``.
+
+    ``ranks`` are global ranks (a Horovod process set's ``ranks``; ``None`` = all). The
+    communicator is created once, collectively over the members only (``Create_group``).
+    """
+
+    def __init__(self, ranks: Sequence[int] | None = None) -> None:
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        if ranks is None or list(ranks) == list(range(world.Get_size())):
+            self._comm = world.Dup()
+        else:
+            group = world.Get_group().Incl(sorted(int(r) for r in ranks))
+            self._comm = world.Create_group(group)
+            group.Free()
+        if self._comm == MPI.COMM_NULL:
+            raise ValueError("this rank is not a member of the process set given to MPIComm")
+        self.rank = self._comm.Get_rank()
+        self.size = self._comm.Get_size()
+
+    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
+        send = np.ascontiguousarray(array, dtype=np.float64)
+        recv = np.empty((self.size, send.size), dtype=np.float64)
+        self._comm.Allgather(send, recv)
+        return recv
+
+    def broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
+        buf = np.array(array, dtype=np.float64, copy=True)
+        self._comm.Bcast(buf, root=root)
+        return buf
+
+
+def agree_on_table(
+    comm: Comm,
+    local_stats_array: np.ndarray,
+    fit: Callable[[list[np.ndarray]], np.ndarray],
+    current: LevelTable,
+    *,
+    name: str,
+) -> tuple[LevelTable, bool]:
+    """Run the refit protocol once; return ``(table, refitted)`` identical on every rank.
+
+    ``local_stats_array`` is this rank's fixed-length statistics vector, ``fit`` maps the list of
+    every rank's vectors to a new level array (called on the root only; any exception there is a
+    failed fit), ``current`` is the table in use, ``name`` makes the collectives' names unique
+    and rank-independent (e.g. the compressor's tag).
+    """
+    gathered = comm.allgather(np.asarray(local_stats_array, dtype=np.float64),
+                              name=f"aq.stats.{name}.v{current.version}")
+    n_levels = current.num_levels
+    message = np.zeros(2 + n_levels, dtype=np.float64)
+    if comm.rank == 0:
+        try:
+            levels = np.asarray(fit(list(gathered)), dtype=np.float64)
+            if levels.shape != (n_levels,):
+                raise ValueError(f"fit returned {levels.shape[0]} levels, expected {n_levels}")
+            LevelTable(levels)  # validate before sending
+            message[0], message[1], message[2:] = FIT_OK, current.version + 1, levels
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the old table everywhere
+            logger.warning("level refit failed on the root, keeping table v%d: %s",
+                           current.version, exc)
+            message[0], message[1] = FIT_FAILED, current.version
+    message = comm.broadcast(message, root=0, name=f"aq.lv.{name}.v{current.version + 1}")
+    if message[0] != FIT_OK:
+        return current, False
+    return LevelTable(message[2:].copy(), int(message[1])), True
+
+
+class ConfigMismatchError(ValueError):
+    """Ranks disagree on compressor settings, level table, step or the tensors exchanged."""
+
+
+def handshake_vector(fingerprint: np.ndarray, layout: int, ranks: int) -> np.ndarray:
+    """What each rank contributes to the first-exchange agreement check (int64)."""
+    return np.concatenate([np.asarray(fingerprint, dtype=np.int64), [layout, ranks]]).astype(np.int64)
+
+
+def check_handshake(gathered: np.ndarray, describe: Callable[[np.ndarray], str]) -> None:
+    """Raise :class:`ConfigMismatchError` unless every rank's row of ``gathered`` is identical.
+
+    Every rank holds the same gathered rows, so every rank raises the same message (no rank is
+    left waiting in a later collective). ``describe`` renders a fingerprint row.
+    """
+    gathered = np.asarray(gathered)
+    if (gathered == gathered[0]).all():
+        return
+    lines = [f"rank {r}: {describe(row[:-2])}, layout {int(row[-2]):08x}, ranks {int(row[-1])}"
+             for r, row in enumerate(gathered)]
+    raise ConfigMismatchError(
+        "horovod_aq: ranks disagree on the compressor settings, level table, step or the set of "
+        "tensors exchanged; every rank must build the same model, optimizer and compressor (and "
+        "load the same checkpoint):\n  " + "\n  ".join(lines))
