@@ -1,0 +1,145 @@
+"""DQSGD: a bit width that changes from step to step (arXiv 2107.14575; the rule is
+:class:`horovod_aq.schedule.DQSGDRule`, ``dynamic_and_error_feedback.md`` §1).
+
+The width of step n is derived from the norm of step n−1's *aggregated* gradient, which every
+rank decodes from the same bytes, so all ranks agree on it without a collective; every payload
+states its bits and a decoder expecting another width refuses it. Any level family works
+underneath — uniform by default; with an adaptive family (``levels="alq"`` …) one table per
+width in [min_bits, max_bits] is kept and all of them are refitted together at refit steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from horovod_aq.compressors import METHODS, Compressor
+from horovod_aq.levels.table import LevelTable
+from horovod_aq.schedule import DQSGDRule, RefitSchedule
+from horovod_aq.sync import Comm
+
+
+class DQSGD(Compressor):
+    """Dynamic bit widths. ``DQSGD(target_bits=4)`` aims at a mean of 4 bits per coordinate;
+    ``DQSGD(budget=3.0 * 1000, horizon=1000)`` never spends more than 3000 bits per coordinate
+    over the first 1000 steps. ``levels`` names the family ("qsgd" = uniform, "nuqsgd",
+    "qsgdinf", "natural", or an adaptive one: "alq", "alqn", "alqg", "amq", "amqn").
+    """
+
+    method = "dqsgd"
+
+    def __init__(
+        self,
+        *,
+        target_bits: float | None = 4.0,
+        budget: float | None = None,
+        horizon: int | None = None,
+        min_bits: int = 2,
+        max_bits: int = 8,
+        window: int = 50,
+        alpha: float | None = None,
+        warmup_bits: int | None = None,
+        levels: str = "qsgd",
+        bucket_size: int | None = None,
+        seed: int = 0,
+        schedule: RefitSchedule | str | None = None,
+        name: str | None = None,
+        **level_kwargs: Any,
+    ) -> None:
+        if levels not in METHODS or levels in ("none", "fp16", "terngrad"):
+            raise ValueError(f"levels must name a multi-width family, one of "
+                             f"{sorted(set(METHODS) - {'none', 'fp16', 'terngrad'})}; got {levels!r}")
+        self.rule = DQSGDRule(target_bits=target_bits, budget=budget, horizon=horizon,
+                              min_bits=min_bits, max_bits=max_bits, window=window, alpha=alpha,
+                              warmup_bits=warmup_bits)
+        family = METHODS[levels]
+        if levels == "natural" and min_bits < 2:
+            raise ValueError("natural dithering needs min_bits >= 2")
+        common = {"seed": seed, "schedule": schedule, **level_kwargs}
+        if bucket_size is not None:
+            common["bucket_size"] = bucket_size
+        self.widths: dict[int, Compressor] = {
+            b: family(b, **common) for b in range(min_bits, max_bits + 1)}
+        first = self.widths[min_bits]
+        self.levels_family = levels
+        self.adaptive = first.adaptive  # type: ignore[misc]
+        super().__init__(min_bits, bucket_size=first.bucket_size, norm=first.norm, seed=seed,
+                         schedule=first.schedule, top_k=first.top_k,
+                         name=name or f"dqsgd-{levels}{min_bits}-{max_bits}b{first.bucket_size}")
+        self.bits = self.rule.first_bits()
+        self._aggregate_sq = 0.0
+        self.bits_history: list[int] = []
+
+    # the table of the current width
+    def initial_levels(self) -> np.ndarray:
+        return self.widths[self.rule.min_bits].initial_levels()
+
+    @property
+    def table(self) -> LevelTable:
+        return self.widths[self.bits].table
+
+    def set_table(self, table: LevelTable) -> None:
+        self.widths[table.bits].set_table(table)
+        for listener in list(self._listeners):
+            listener(self.table)
+
+    # bits: derived from the aggregated gradient every rank decoded identically
+    def observe_aggregate(self, tensor: Any) -> None:
+        """Add ‖part of the averaged gradient‖² (called on the decoded aggregate, every rank)."""
+        if hasattr(tensor, "detach"):
+            import torch
+
+            self._aggregate_sq += float(torch.sum(tensor.detach().to(torch.float64) ** 2))
+        else:
+            a = np.asarray(tensor, dtype=np.float64)
+            self._aggregate_sq += float(np.dot(a.ravel(), a.ravel()))
+
+    def end_step(self, comm: Comm) -> bool:
+        refitted = False
+        if self.recording:
+            refitted = self.refit(comm)
+        self.bits_history.append(self.bits)
+        g = math.sqrt(self._aggregate_sq)
+        self._aggregate_sq = 0.0
+        self.step += 1
+        self._stats = None
+        previous = self.bits
+        self.bits = self.rule.next_bits(self.step, previous, g)
+        if self.bits != previous:
+            for listener in list(self._listeners):
+                listener(self.table)
+        return refitted
+
+    def refit(self, comm: Comm) -> bool:
+        """Refit every width's table from the same statistics (one protocol round per width)."""
+        if not self.adaptive:
+            return False
+        changed = False
+        for comp in self.widths.values():
+            comp._stats = self._stats
+            changed |= comp.refit(comm)
+        self._stats = None
+        return changed
+
+    def config(self) -> dict[str, Any]:
+        r = self.rule
+        return {**super().config(), "levels": self.levels_family, "target_bits": r.target_bits,
+                "budget": r.budget, "horizon": r.horizon, "min_bits": r.min_bits,
+                "max_bits": r.max_bits, "window": r.window, "alpha": r.alpha}
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.pop("table", None)
+        state["bits"] = self.bits
+        state["rule"] = self.rule.state_dict()
+        state["widths"] = {str(b): c.state_dict() for b, c in self.widths.items()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for b, sub in state["widths"].items():
+            self.widths[int(b)].load_state_dict(sub)
+        self.rule.load_state_dict(state["rule"])
+        self.bits = int(state["bits"])
