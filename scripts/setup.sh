@@ -10,7 +10,9 @@
 #   --no-apt    never call apt-get (fail with a message if Open MPI is missing)
 #   --force     redo every step even if the stamp says the environment is current
 # Environment: PYTHON (interpreter to build the venv from, default python3),
-#   HOROVOD_AQ_CACHE (wheel cache, default ~/.cache/horovod_aq).
+#   HOROVOD_AQ_CACHE (wheel cache, default ~/.cache/horovod_aq),
+#   TORCH_INDEX_URL (without --gpu: install torch from this index, e.g. TORCH_CPU_INDEX from
+#   versions.env as docker/Dockerfile does; default: wherever pip's configuration finds it).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -96,7 +98,8 @@ if [ "$GPU" = 1 ]; then
   TF_PKG="tensorflow[and-cuda]==$TENSORFLOW_VERSION"
 else
   say "installing torch $TORCH_VERSION (CPU), tensorflow-cpu $TENSORFLOW_VERSION, tf-keras $TF_KERAS_VERSION"
-  "${PIP[@]}" install -q "torch==$TORCH_VERSION" -c "$ROOT/scripts/constraints.txt"
+  "${PIP[@]}" install -q "torch==$TORCH_VERSION" -c "$ROOT/scripts/constraints.txt" \
+    ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
   TF_PKG="tensorflow-cpu==$TENSORFLOW_VERSION"
 fi
 "${PIP[@]}" install -q "$TF_PKG" -c "$ROOT/scripts/constraints.txt"
