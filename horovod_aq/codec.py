@@ -27,13 +27,13 @@ offset type   field
 2      u8     format version (``FORMAT_VERSION`` = 1)
 3      u8     bits b per code, 1..8 (= ⌈log₂ N⌉ of the table)
 4      u8     norm: 0 = l2, 1 = linf (``NORM_CODES``)
-5      u8     flags, 0 (reserved)
+5      u8     flags: 0, or ``FLAG_NONFINITE`` (1) — see "Non-finite input" below
 6      u16    N, number of levels in the table
 8      u32    level-table version
 12     u32    level-table hash (CRC-32 of the float64 levels, ``LevelTable.hash``)
 16     u32    bucket size B
 20     u64    element count n
-28     u32    reserved, 0
+28     u32    0; with ``FLAG_NONFINITE``: index of the first non-finite input element
 ====== ====== ================================================================
 
 The header is 32 bytes, a multiple of 4, so NORMS start 4-aligned in a freshly encoded payload.
@@ -87,6 +87,13 @@ float32 gaps are subnormal. Subnormal *data* is not flushed (that would cost a p
 gradient): for elements with |x| < 1.2e-38, or whose normalized or decoded values underflow,
 TensorFlow's bytes may differ from numpy's and PyTorch's in those coordinates.
 
+Non-finite input. ``encode`` refuses non-finite values. An integration whose rank meets one sends,
+in place of the payload, a *non-finite marker* of the same size (``nonfinite_payload``): the
+header with ``FLAG_NONFINITE`` set and the index of the first bad element in the last field, and
+zeros elsewhere. Every rank receives the same gathered rows, so every rank learns of it at the
+same point and can raise (``NonFiniteGradientError``, what decoding a marker does) or skip the
+step consistently; no NaN norm is ever encoded.
+
 Errors: invalid input raises ``ValueError`` (payload problems: ``PayloadError``, a subclass) before
 anything is drawn or written, with a message naming the field, both values and what to do.
 
@@ -112,6 +119,10 @@ __all__ = [
     "NORM_NAMES",
     "Header",
     "PayloadError",
+    "NonFiniteGradientError",
+    "FLAG_NONFINITE",
+    "nonfinite_payload",
+    "nonfinite_rows",
     "as_table",
     "bucket_norms",
     "bucket_stats",
@@ -134,6 +145,9 @@ __all__ = [
 
 MAGIC = b"AQ"
 FORMAT_VERSION = 1
+#: Header flag: the sender's input had non-finite values; the payload carries no data.
+FLAG_NONFINITE = 1
+FLAGS_OFFSET = 5
 HEADER_FORMAT = "<2sBBBBHIIIQI"  # magic, version, bits, norm, flags, N, tver, thash, B, n, reserved
 HEADER_SIZE = struct.calcsize(HEADER_FORMAT)
 NORM_BYTES = 4  # one float32 per bucket
@@ -145,6 +159,14 @@ CODES_PER_GROUP = 8  # 8 codes of b bits are exactly b bytes
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # 2^−126, smallest normal float32
 
 assert HEADER_SIZE == 32 and HEADER_SIZE % NORM_BYTES == 0
+
+
+class NonFiniteGradientError(ValueError):
+    """A rank's gradient had NaN or Inf values (``first`` = first bad element, if known)."""
+
+    def __init__(self, message: str, first: int | None = None) -> None:
+        super().__init__(message)
+        self.first = first
 
 
 class PayloadError(ValueError):
@@ -211,6 +233,11 @@ class Header:
     table_hash: int
     bucket_size: int
     numel: int
+    first_nonfinite: int | None = None  #: set on a non-finite marker
+
+    @property
+    def nonfinite(self) -> bool:
+        return bool(self.flags & FLAG_NONFINITE)
 
     @property
     def num_buckets(self) -> int:
@@ -234,23 +261,41 @@ def as_table(levels: LevelTable | Any) -> LevelTable:
     return levels if isinstance(levels, LevelTable) else LevelTable(levels, 0)
 
 
-def make_header(numel: int, table: LevelTable, bucket_size: int, norm: str) -> bytes:
-    """The 32 header bytes of a payload of ``numel`` elements encoded with ``table``."""
+def make_header(numel: int, table: LevelTable, bucket_size: int, norm: str, *,
+                first_nonfinite: int | None = None) -> bytes:
+    """The 32 header bytes of a payload of ``numel`` elements encoded with ``table``
+    (of a non-finite marker when ``first_nonfinite`` is given)."""
     table = as_table(table)
+    marker = first_nonfinite is not None
     return struct.pack(
         HEADER_FORMAT,
         MAGIC,
         FORMAT_VERSION,
         table.bits,
         NORM_CODES[_check_norm(norm)],
-        0,
+        FLAG_NONFINITE if marker else 0,
         table.num_levels,
         table.version,
         table.hash,
         _check_bucket_size(bucket_size),
         _check_int("numel", numel, 0, MAX_NUMEL),
-        0,
+        min(int(first_nonfinite), 2**32 - 1) if marker else 0,
     )
+
+
+def nonfinite_payload(numel: int, table: LevelTable, bucket_size: int, norm: str,
+                      first_nonfinite: int) -> np.ndarray:
+    """A non-finite marker: the size of a real payload, header flagged, zeros elsewhere."""
+    table = as_table(table)
+    out = np.zeros(payload_size(numel, table.bits, bucket_size), dtype=np.uint8)
+    out[:HEADER_SIZE] = np.frombuffer(
+        make_header(numel, table, bucket_size, norm, first_nonfinite=first_nonfinite), np.uint8)
+    return out
+
+
+def nonfinite_rows(flags: Any) -> list[int]:
+    """Indices of the gathered rows whose flags byte (``FLAGS_OFFSET``) marks non-finite input."""
+    return [i for i, f in enumerate(np.asarray(flags).reshape(-1)) if int(f) & FLAG_NONFINITE]
 
 
 def _as_bytes(buf: Any) -> np.ndarray:
@@ -293,7 +338,7 @@ def parse_header(buf: Any) -> Header:
         raise PayloadError(f"payload header has bits {bits}, outside 1..{MAX_BITS}")
     if norm not in NORM_NAMES:
         raise PayloadError(f"payload header has unknown norm code {norm}; known: {dict(NORM_NAMES)}")
-    if flags != 0 or reserved != 0:
+    if flags not in (0, FLAG_NONFINITE) or (reserved != 0 and flags != FLAG_NONFINITE):
         raise PayloadError(
             f"payload header has reserved fields set (flags {flags}, reserved {reserved}); it was "
             "written by a newer format revision"
@@ -302,7 +347,8 @@ def parse_header(buf: Any) -> Header:
         raise PayloadError("payload header has bucket size 0")
     if not 2 <= nlev <= 1 << bits:
         raise PayloadError(f"payload header has {nlev} levels, impossible with {bits} bits")
-    return Header(version, bits, NORM_NAMES[norm], flags, nlev, tver, thash, bsize, numel)
+    return Header(version, bits, NORM_NAMES[norm], flags, nlev, tver, thash, bsize, numel,
+                  reserved if flags == FLAG_NONFINITE else None)
 
 
 def check_header(
@@ -318,6 +364,12 @@ def check_header(
     Raises ``PayloadError`` naming the first field that differs and both values.
     """
     table = as_table(table)
+    if header.nonfinite:
+        raise NonFiniteGradientError(
+            f"the sender's gradient had non-finite values (first at element "
+            f"{header.first_nonfinite} of {header.numel}); it sent a marker instead of data. "
+            "Lower the learning rate or use loss scaling, or pass nonfinite='skip' to the "
+            "compressor to skip such steps on every rank", header.first_nonfinite)
     if header.table_version != table.version or header.table_hash != table.hash:
         raise PayloadError(
             f"payload was encoded with level-table version {header.table_version} "
@@ -680,8 +732,10 @@ def decode_average(
         try:
             check_header(header, table, numel=numel, bucket_size=bucket_size, norm=norm)
             _check_size(header, rows.shape[1])
-        except PayloadError as err:
-            raise PayloadError(f"rank {rank}: {err}") from None
+        except (PayloadError, NonFiniteGradientError) as err:
+            err.args = (f"rank {rank}: {err}",) + err.args[1:]
+            err.rank = rank
+            raise
     acc = _read_payload(rows[0], first, table)
     for rank in range(1, rows.shape[0]):
         acc = acc + _read_payload(rows[rank], headers[rank], table)

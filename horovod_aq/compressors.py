@@ -50,6 +50,8 @@ from horovod_aq.sync import Comm, agree_on_table
 logger = logging.getLogger(__name__)
 
 NORMS = ("l2", "linf")
+#: What a non-finite (NaN/Inf) gradient does: every rank raises, or every rank skips the step.
+NONFINITE = ("raise", "skip")
 #: Buckets of statistics each rank contributes to a refit (the reference's ``dist_num``; its
 #: ImageNet configs use 350).
 DEFAULT_TOP_K = 350
@@ -70,9 +72,11 @@ def _backend(tensor: Any):
     )
 
 
-def seed_for_rank(seed: int, rank: int) -> int:
-    """Independent 63-bit seed of ``rank``'s random stream derived from the user's ``seed``."""
-    state = np.random.SeedSequence([int(seed), int(rank)]).generate_state(1, dtype=np.uint64)[0]
+def seed_for_rank(seed: int, rank: int, *key: int) -> int:
+    """Independent 63-bit seed of ``rank``'s random stream derived from the user's ``seed``
+    (and optionally a key such as (step, bucket, part): one stream per encode)."""
+    entropy = [int(seed), int(rank), *(int(k) for k in key)]
+    state = np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0]
     return int(state) & (2**63 - 1)
 
 
@@ -81,6 +85,13 @@ class Compressor:
 
     Subclasses set :attr:`method` and implement :meth:`initial_levels` (and :meth:`fit_levels`
     when adaptive). Instances are hashable by identity (TensorFlow caches on them).
+
+    ``nonfinite``: what a NaN/Inf gradient does. "raise" (default): on the packed paths every
+    rank raises :class:`~horovod_aq.codec.NonFiniteGradientError` naming the rank and the
+    parameter (the bad rank sends a marker instead of data, so no rank hangs); on the stock path
+    the bad rank raises. "skip": every rank skips the optimizer step consistently — the packed
+    optimizers leave the weights untouched and return NaN gradients for the affected tensors (so
+    AMP's GradScaler lowers its scale), and the stock path sends NaN so that every rank sees it.
     """
 
     method: ClassVar[str] = "base"
@@ -99,6 +110,7 @@ class Compressor:
         schedule: RefitSchedule | str | None = None,
         top_k: int = DEFAULT_TOP_K,
         name: str | None = None,
+        nonfinite: str = "raise",
     ) -> None:
         if self.quantizes and (not isinstance(bits, (int, np.integer)) or not 1 <= int(bits) <= 8):
             raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
@@ -112,6 +124,9 @@ class Compressor:
             schedule = RefitSchedule.parse(schedule)
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
         self.bits = int(bits)
         self.bucket_size = int(bucket_size)
         self.norm = norm
@@ -227,7 +242,7 @@ class Compressor:
         """The settings that must agree on every rank."""
         return {"method": self.method, "bits": self.bits, "bucket_size": self.bucket_size,
                 "norm": self.norm, "schedule": str(self.schedule), "top_k": self.top_k,
-                "name": self.name}
+                "name": self.name, "nonfinite": self.nonfinite}
 
     def fingerprint(self) -> np.ndarray:
         """Settings + table identity as int64s, compared across ranks at the first exchange."""

@@ -46,6 +46,7 @@ class DQSGD(Compressor):
         seed: int = 0,
         schedule: RefitSchedule | str | None = None,
         name: str | None = None,
+        nonfinite: str = "raise",
         **level_kwargs: Any,
     ) -> None:
         if levels not in METHODS or levels in ("none", "fp16", "terngrad"):
@@ -66,7 +67,7 @@ class DQSGD(Compressor):
         self.levels_family = levels
         self.adaptive = first.adaptive  # type: ignore[misc]
         super().__init__(min_bits, bucket_size=first.bucket_size, norm=first.norm, seed=seed,
-                         schedule=first.schedule, top_k=first.top_k,
+                         schedule=first.schedule, top_k=first.top_k, nonfinite=nonfinite,
                          name=name or f"dqsgd-{levels}{min_bits}-{max_bits}b{first.bucket_size}")
         self.bits = self.rule.first_bits()
         self._aggregate_sq = 0.0

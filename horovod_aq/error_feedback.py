@@ -146,6 +146,7 @@ class ErrorFeedback(Compressor):
     seed = property(lambda self: self.inner.seed)
     schedule = property(lambda self: self.inner.schedule)
     top_k = property(lambda self: self.inner.top_k)
+    nonfinite = property(lambda self: self.inner.nonfinite)
     name = property(lambda self: f"ecq.{self.inner.name}")
     _fw_state = property(lambda self: self.inner._fw_state)
 

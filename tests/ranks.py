@@ -69,8 +69,8 @@ class EncodeRecorder:
         enc, sub, prog = self._saved
         rec = self
 
-        def _aq_encode(opt, x):
-            out = enc(opt, x)
+        def _aq_encode(opt, x, *args):
+            out = enc(opt, x, *args)
             name, phase = rec._context
             rec.entries.append((name, phase, x.detach().cpu().numpy().copy(),
                                 out.detach().cpu().numpy().copy()))

@@ -314,7 +314,8 @@ def ecq_packed():
     state = opt.state_dict()["horovod_aq"]
     return {"entries": rec.entries, "buckets": opt.buckets, "local": grads,
             "levels": comp.table.levels, "version": comp.table.version,
-            "memory_keys": sorted(state["memory"]),
+            "memory_keys": sorted(state["memory_by_rank"][hvd.rank()]),
+            "world": state["world"],
             "ef_norm": opt.telemetry.last.extra.get("ef_memory_norm")}
 
 

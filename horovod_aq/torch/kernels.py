@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from horovod_aq import codec
-from horovod_aq.codec import HEADER_SIZE, NORM_BYTES, PayloadError
+from horovod_aq.codec import HEADER_SIZE, NORM_BYTES, NonFiniteGradientError, PayloadError
 from horovod_aq.levels.table import LevelTable
 
 __all__ = ["bucket_norms", "bucket_stats", "decode", "decode_average", "encode", "pack_bits",
@@ -560,8 +560,10 @@ def decode_average(
     for rank, header in enumerate(headers):
         try:
             _expect(header, table, size, numel, bucket_size, norm)
-        except PayloadError as err:
-            raise PayloadError(f"rank {rank}: {err}") from None
+        except (PayloadError, NonFiniteGradientError) as err:
+            err.args = (f"rank {rank}: {err}",) + err.args[1:]
+            err.rank = rank
+            raise
     acc = _decode_checked(payloads[0], first, table)
     for rank in range(1, world):
         acc.add_(_decode_checked(payloads[rank], headers[rank], table))

@@ -48,6 +48,7 @@ from horovod.torch.mpi_ops import (
 )
 from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
 
+from horovod_aq import codec
 from horovod_aq.compressors import Compressor, NoCompression
 from horovod_aq.error_feedback import ErrorFeedback
 from horovod_aq.exchange import (
@@ -76,7 +77,7 @@ class _Bucket:
     """A fused group of parameters exchanged as one payload, and its in-flight state."""
 
     def __init__(self, plan: BucketPlan, params: list[torch.Tensor]) -> None:
-        self.name, self.mode, self.numel = plan.name, plan.mode, plan.numel
+        self.index, self.name, self.mode, self.numel = plan.index, plan.name, plan.mode, plan.numel
         self.params = params
         self.slots: dict[torch.Tensor, tuple[int, int]] = {}
         offset = 0
@@ -107,6 +108,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         self._aq_telemetry = telemetry if telemetry is not None else Telemetry()
         self._aq_index = next(_optimizer_counter)
         self._aq_checked = False
+        self._aq_skip = False
         self._aq_record: StepRecord | None = None
         _HorovodOptimizer.__init__(
             self, params, named_parameters, compression=hvd.Compression.none,
@@ -197,15 +199,21 @@ class _PackedOptimizer(torch.optim.Optimizer):
             return out.to(dtype)
         return output
 
-    def _aq_encode(self, x: torch.Tensor) -> torch.Tensor:
+    def _aq_encode(self, x: torch.Tensor, bucket: _Bucket, part: int = 0) -> torch.Tensor:
+        """Encode with the uniforms of (step, bucket, part) — see ``TorchState.stream``."""
         comp = self._aq
+        gen = torch_state(comp).stream(x.device, comp.step, bucket.index, part)
         return kernels.encode(x, comp.table, bucket_size=comp.bucket_size, norm=comp.norm,
-                              generator=torch_state(comp).generator(x.device))
+                              generator=gen)
 
     def _aq_submit(self, bucket: _Bucket) -> None:
         comp, P, rec = self._aq, self._aq_ranks, self._aq_record
         ef = comp if isinstance(comp, ErrorFeedback) else None
         raw = bucket.buffer
+        bad = ~torch.isfinite(raw)
+        if bool(bad.any()):   # send a marker of the same size: every rank learns of it
+            self._aq_send_marker(bucket, int(bad.nonzero()[0, 0]))
+            return
         x = ef.compensate(bucket.name, raw) if ef is not None else raw   # g + α·h
         if comp.recording:
             comp.record_stats(*kernels.bucket_stats(x, comp.bucket_size))
@@ -213,7 +221,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         rec.numel_quantized += bucket.numel
         rec.exchanges[bucket.mode] = rec.exchanges.get(bucket.mode, 0) + 1
         if bucket.mode == "allgather":
-            payload = self._aq_encode(x)
+            payload = self._aq_encode(x, bucket)
             if ef is not None:   # h ← β·h + (g − g̃), g̃ = what this rank sent
                 ef.update(bucket.name, raw, kernels.decode(payload, comp.table, dtype=torch.float32))
             rec.payload_bytes += payload.numel()
@@ -225,7 +233,8 @@ class _PackedOptimizer(torch.optim.Optimizer):
         m = chunk_numel(bucket.numel, P, comp.bucket_size)
         padded = torch.zeros(P * m, dtype=torch.float32, device=x.device)
         padded[:bucket.numel] = x
-        chunk_payloads = [self._aq_encode(chunk) for chunk in padded.view(P, m)]
+        chunk_payloads = [self._aq_encode(chunk, bucket, k)
+                          for k, chunk in enumerate(padded.view(P, m))]
         if ef is not None:
             sent = torch.cat([kernels.decode(c, comp.table, dtype=torch.float32)
                               for c in chunk_payloads])[:bucket.numel]
@@ -236,6 +245,54 @@ class _PackedOptimizer(torch.optim.Optimizer):
         bucket.handle = alltoall_async(payloads, name=f"aq.a2a.{bucket.name}",
                                        process_set=self.process_set)
         bucket.stage = "a2a"
+
+    def _aq_send_marker(self, bucket: _Bucket, first_bad: int) -> None:
+        """Submit non-finite markers (``codec.nonfinite_payload``) in place of the payloads."""
+        comp, P = self._aq, self._aq_ranks
+        numel = bucket.numel if bucket.mode == "allgather" else chunk_numel(
+            bucket.numel, P, comp.bucket_size)
+        marker = torch.from_numpy(codec.nonfinite_payload(
+            numel, comp.table, comp.bucket_size, comp.norm, first_bad)).to(bucket.buffer.device)
+        if bucket.mode == "allgather":
+            bucket.handle = allgather_async(marker, name=f"aq.ag.{bucket.name}",
+                                            process_set=self.process_set)
+            bucket.stage = "ag"
+        else:
+            bucket.handle = alltoall_async(marker.repeat(P), name=f"aq.a2a.{bucket.name}",
+                                           process_set=self.process_set)
+            bucket.stage = "a2a"
+
+    def _aq_nonfinite(self, bucket: _Bucket, rows: torch.Tensor) -> bool:
+        """Handle markers among gathered ``rows`` identically on every rank: raise naming the
+        rank and parameter, or (nonfinite="skip") fill the bucket with NaN and skip the step."""
+        flags = rows[:, codec.FLAGS_OFFSET].cpu().numpy()
+        bad_ranks = codec.nonfinite_rows(flags)
+        if not bad_ranks:
+            return False
+        if self._aq.nonfinite == "skip":
+            bucket.result = torch.full((bucket.numel,), float("nan"), device=rows.device)
+            bucket.stage = "done"
+            self._aq_skip = True
+            return True
+        rank = bad_ranks[0]
+        header = codec.parse_header(rows[rank, :codec.HEADER_SIZE].cpu().numpy())
+        where = header.first_nonfinite
+        if bucket.stage == "a2a":   # a chunk of the padded bucket: the sender flagged all chunks
+            where = None
+        param = self._aq_param_at(bucket, where)
+        raise codec.NonFiniteGradientError(
+            f"rank {rank} (of the process set) computed a non-finite gradient"
+            f"{f' for parameter {param!r}' if param else f' in bucket {bucket.name}'}; every "
+            "rank stops here. Lower the learning rate or use loss scaling, or pass "
+            "nonfinite='skip' to the compressor to skip such steps on every rank.", where)
+
+    def _aq_param_at(self, bucket: _Bucket, element: int | None) -> str | None:
+        if element is None:
+            return None
+        for p, (offset, numel) in bucket.slots.items():
+            if offset <= element < offset + numel:
+                return self._parameter_names[p]
+        return None
 
     def _aq_poll(self) -> None:
         """Advance two-phase buckets whose alltoall finished (overlaps the rest of backward)."""
@@ -249,12 +306,17 @@ class _PackedOptimizer(torch.optim.Optimizer):
         if bucket.stage == "a2a":
             received = synchronize(bucket.handle)
             received = received[0] if isinstance(received, (tuple, list)) else received
+            if self._aq_nonfinite(bucket, received.view(P, -1)):
+                return
             chunk = kernels.decode_average(received.view(P, -1), comp.table, dtype=torch.float32)
-            bucket.handle = allgather_async(self._aq_encode(chunk), name=f"aq.ag.{bucket.name}",
+            bucket.handle = allgather_async(self._aq_encode(chunk, bucket, P),
+                                            name=f"aq.ag.{bucket.name}",
                                             process_set=self.process_set)
             bucket.stage = "ag2"
         elif bucket.stage in ("ag", "ag2"):
             gathered = synchronize(bucket.handle).view(P, -1)
+            if bucket.stage == "ag" and self._aq_nonfinite(bucket, gathered):
+                return
             if bucket.stage == "ag":
                 bucket.result = kernels.decode_average(gathered, comp.table, dtype=torch.float32)
             else:
@@ -275,6 +337,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ end of step
     def synchronize(self) -> None:
+        self._aq_skip = False
         _HorovodOptimizer.synchronize(self)
         if not self.process_set.included():
             return
@@ -297,15 +360,63 @@ class _PackedOptimizer(torch.optim.Optimizer):
                 rec.levels = self._aq.table.levels.tolist()
             if isinstance(self._aq, ErrorFeedback):
                 rec.extra["ef_memory_norm"] = self._aq.memory_norm()
+            if self._aq_skip:
+                rec.extra["skipped"] = 1.0
             self._aq_telemetry.record(rec)
+
+    def step(self, closure=None):
+        """Horovod's step (synchronize, then the wrapped optimizer's step), except that a step
+        whose gradients were non-finite on some rank (``nonfinite="skip"``) is skipped on every
+        rank."""
+        if self._should_synchronize:
+            if self._synchronized:
+                logger.warning("optimizer.step() called without optimizer.skip_synchronize() "
+                               "after optimizer.synchronize(): gradients are exchanged twice")
+            self.synchronize()
+        self._synchronized = False
+        if self._aq_skip:
+            logger.warning("step %d skipped on every rank: a rank's gradient was non-finite",
+                           self._aq.step - 1)
+            return None
+        return super(self.__class__, self).step(closure)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state plus the compressor's (``"horovod_aq"``).
+
+        With :class:`~horovod_aq.ErrorFeedback` and more than one rank this is **collective**:
+        every rank's error memory differs, so it is gathered (one allgather per bucket) and the
+        dict holds all of them; call it on every rank and save it on rank 0. Without error
+        feedback it is local and the same on every rank.
+        """
         state = super(self.__class__, self).state_dict()
-        state["horovod_aq"] = self._aq.state_dict()
+        aq_state = self._aq.state_dict()
+        if isinstance(self._aq, ErrorFeedback):
+            local = aq_state.pop("memory")
+            aq_state["memory"] = {}
+            aq_state["memory_by_rank"] = self._aq_gather_memory(local)
+            aq_state["world"] = self._aq_ranks
+        state["horovod_aq"] = aq_state
         return state
 
+    def _aq_gather_memory(self, local: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
+        if self._aq_ranks == 1 or not self._aq_active:
+            return {0: local}
+        out: dict[int, dict[str, np.ndarray]] = {r: {} for r in range(self._aq_ranks)}
+        for bucket in self._aq_buckets:
+            mine = local.get(bucket.name)
+            mine = np.zeros(bucket.numel, np.float32) if mine is None else mine.reshape(-1)
+            rows = hvd.allgather(torch.from_numpy(mine).reshape(1, -1),
+                                 name=f"aq.efstate.{bucket.name}",
+                                 process_set=self.process_set).numpy()
+            for r in range(self._aq_ranks):
+                out[r][bucket.name] = rows[r].copy()
+        return out
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (saved on one rank, loaded on all). Levels, versions and
+        step counters always come back; error-feedback memory only if the number of ranks is
+        unchanged (otherwise it restarts from zero, with a warning)."""
         state = dict(state_dict)
         aq_state = state.pop("horovod_aq", None)
         _HorovodOptimizer.load_state_dict(self, state)
@@ -313,8 +424,19 @@ class _PackedOptimizer(torch.optim.Optimizer):
             bucket.reset()
         self._aq_record = None
         self._aq_checked = False
-        if aq_state is not None:
-            self._aq.load_state_dict(aq_state)
+        if aq_state is None:
+            return
+        if isinstance(self._aq, ErrorFeedback) and "memory_by_rank" in aq_state:
+            aq_state = dict(aq_state)
+            by_rank, world = aq_state.pop("memory_by_rank"), aq_state.pop("world")
+            if world == self._aq_ranks:
+                aq_state["memory"] = by_rank.get(self.process_set.rank(), {})
+            else:
+                logger.warning("error-feedback memory was saved with %d ranks and this job has "
+                               "%d: it restarts from zero (levels and steps are kept)",
+                               world, self._aq_ranks)
+                aq_state["memory"] = {}
+        self._aq.load_state_dict(aq_state)
 
 
 def DistributedOptimizer(

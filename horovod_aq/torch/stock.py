@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from horovod_aq import codec
 from horovod_aq.compressors import Compressor, seed_for_rank
 from horovod_aq.torch import kernels
 
@@ -30,6 +31,7 @@ class TorchState:
     def __init__(self, compressor: Compressor) -> None:
         self.compressor = compressor
         self.generators: dict[str, torch.Generator] = {}
+        self._keyed: dict[str, torch.Generator] = {}
         self._pending: dict[str, Any] = {}
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -41,6 +43,16 @@ class TorchState:
             if key in self._pending:
                 gen.set_state(torch.from_numpy(np.asarray(self._pending.pop(key), dtype=np.uint8)))
             self.generators[key] = gen
+        return gen
+
+    def stream(self, device: torch.device, *key: int) -> torch.Generator:
+        """A generator seeded from (seed, rank, *key): the packed optimizers draw the uniforms of
+        step s, bucket b, part k from ``stream(device, s, b, k)``, so a resumed run draws exactly
+        what an uninterrupted one would, whatever happened to generator states."""
+        gen = self._keyed.get(str(device))
+        if gen is None:
+            gen = self._keyed[str(device)] = torch.Generator(device=device)
+        gen.manual_seed(seed_for_rank(self.compressor.seed, _rank(), *key))
         return gen
 
     def state_dict(self) -> dict[str, Any]:
@@ -93,7 +105,18 @@ def compress(compressor: Compressor, tensor: torch.Tensor) -> tuple[torch.Tensor
     if compressor.method == "fp16":
         return tensor.to(torch.float16), tensor.dtype
     compressor.warn_stock_once()
-    q = quantize_local(compressor, tensor.detach().reshape(-1))
+    flat = tensor.detach().reshape(-1)
+    if not bool(torch.isfinite(flat).all()):
+        if compressor.nonfinite == "skip":   # every rank's sum becomes NaN: all skip alike
+            return torch.full(tensor.shape, float("nan"), dtype=torch.float16,
+                              device=tensor.device), tensor.dtype
+        raise codec.NonFiniteGradientError(
+            f"{compressor.name}: a gradient of shape {tuple(tensor.shape)} has non-finite values "
+            "on this rank (Horovod's compression= hook does not say which parameter; the packed "
+            "horovod_aq.torch.DistributedOptimizer names it and stops every rank together). "
+            "Pass nonfinite='skip' to the compressor to send NaN so that every rank skips the "
+            "step (e.g. with AMP's GradScaler).")
+    q = quantize_local(compressor, flat)
     peak = float(q.abs().max()) if q.numel() else 0.0
     if peak * _world() > FP16_MAX:
         raise ValueError(
