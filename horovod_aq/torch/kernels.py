@@ -54,7 +54,10 @@ __all__ = ["bucket_norms", "bucket_stats", "decode", "decode_average", "encode",
 #: so that the float64 and index temporaries of one chunk stay in the CPU caches.
 CHUNK_ELEMENTS = 1 << 18
 ACCELERATOR_CHUNK_ELEMENTS = 1 << 24
-_CACHE_ENTRIES = 32  # a prepared table holds a 1.5 MB cell array
+_CACHE_ENTRIES = 64  # headers and shift vectors (small)
+#: Prepared level tables kept per process (each holds a 1.5 MB cell array): enough for DQSGD's
+#: seven widths plus one more, so a run that refits keeps a bounded, small set.
+_TABLE_CACHE_ENTRIES = 8
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
@@ -78,14 +81,19 @@ class _DeviceCache:
                 self._items.move_to_end(key)
                 return self._items[key]
         value = make()
+        self.put(key, value)
+        return value
+
+    def put(self, key: tuple, value: Any) -> None:
         with self._lock:
             self._items[key] = value
+            self._items.move_to_end(key)
             while len(self._items) > self._entries:
                 self._items.popitem(last=False)
-        return value
 
 
 _CACHE = _DeviceCache()
+_TABLES = _DeviceCache(_TABLE_CACHE_ENTRIES)
 
 
 #: The interval finder's cells span 2^CELL_SHIFT consecutive float32 values: 23 − 13 = 10
@@ -168,17 +176,20 @@ def _build_cells(levels: np.ndarray, plus_zero: bool) -> np.ndarray | None:
 
 def _table(table: LevelTable, device) -> _Table:
     key = ("table", table.version, table.hash, table.num_levels, str(device))
-    return _CACHE.get(key, lambda: _Table(table, device))
+    return _TABLES.get(key, lambda: _Table(table, device))
 
 
 def _header(numel: int, table: LevelTable, bucket_size: int, norm: str, device) -> torch.Tensor:
-    def make():
-        raw = codec.make_header(numel, table, bucket_size, norm)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
-
-    key = ("header", numel, table.version, table.hash, table.num_levels, bucket_size, norm,
-           str(device))
-    return _CACHE.get(key, make)
+    """The header tensor of a payload; one cache slot per tensor shape, replaced when the table
+    changes (a refit), so refits do not accumulate headers."""
+    raw = codec.make_header(numel, table, bucket_size, norm)
+    key = ("header", numel, table.num_levels, bucket_size, norm, str(device))
+    cached = _CACHE.get(key, lambda: (raw, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                                      .to(device)))
+    if cached[0] != raw:
+        cached = (raw, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device))
+        _CACHE.put(key, cached)
+    return cached[1]
 
 
 def _shifts(bits: int, dtype: torch.dtype, device) -> torch.Tensor:
