@@ -22,7 +22,8 @@ from horovod_aq.sync import Comm
 
 
 class DQSGD(Compressor):
-    """Dynamic bit widths. ``DQSGD(target_bits=4)`` aims at a mean of 4 bits per coordinate;
+    """Dynamic bit widths. ``DQSGD(target_bits=4)`` (or ``DQSGD(4)``) aims at a mean of 4 bits
+    per coordinate;
     ``DQSGD(budget=3.0 * 1000, horizon=1000)`` never spends more than 3000 bits per coordinate
     over the first 1000 steps. ``levels`` names the family ("qsgd" = uniform, "nuqsgd",
     "qsgdinf", "natural", or an adaptive one: "alq", "alqn", "alqg", "amq", "amqn").
@@ -32,6 +33,7 @@ class DQSGD(Compressor):
 
     def __init__(
         self,
+        bits: float | None = None,
         *,
         target_bits: float | None = 4.0,
         budget: float | None = None,
@@ -49,6 +51,8 @@ class DQSGD(Compressor):
         nonfinite: str = "raise",
         **level_kwargs: Any,
     ) -> None:
+        if bits is not None:   # the generic factory's ``bits`` is the target mean width
+            target_bits = float(bits)
         if levels not in METHODS or levels in ("none", "fp16", "terngrad"):
             raise ValueError(f"levels must name a multi-width family, one of "
                              f"{sorted(set(METHODS) - {'none', 'fp16', 'terngrad'})}; got {levels!r}")

@@ -252,7 +252,8 @@ def process_sets_split():
         F.cross_entropy(model(x), y).backward()
         opt.synchronize()
         return {"grads": _grads(model), "entries": rec.entries, "buckets": opt.buckets,
-                "levels": comp.table.levels, "ranks": opt.telemetry.last.ranks}
+                "levels": comp.table.levels, "version": comp.table.version,
+                "ranks": opt.telemetry.last.ranks}
     finally:
         hvd.barrier()
         for ps in sets:
