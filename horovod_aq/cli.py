@@ -186,7 +186,7 @@ def levels(args: argparse.Namespace) -> int:
         print(f"{args.method} does not quantize: no level table")
         return 2
     if comp.adaptive:
-        comp.record_stats(*codec.bucket_stats(grad, comp.bucket_size))
+        comp.record_gradient(grad)
         comp.end_step(LocalComm())
     B = comp.bucket_size
     table = comp.table

@@ -25,9 +25,12 @@ QSGDInf             uniform U-ref                   L∞      512         no
 NUQSGD              exponential, p = 1/2            L2      512         no
 TernGrad            {−1, 0, 1}                      L∞      512         no
 NaturalDithering    {0, ±2^(1−s), …, ±1}            L2/L∞   512         no
-ALQ / ALQN / ALQG   fitted (coordinate descent /    L2      8192        yes
+ALQ / ALQN / ALQG   fitted (coordinate descent /    L2      1024        yes
                     single normal / gradient)
-AMQ / AMQN          exponential with fitted p       L2      8192        yes
+AMQ / AMQN          exponential with fitted p       L2      1024        yes
+
+ALQ, ALQ-G and AMQ fit to the gradient's histogram by default (``model="histogram"``); pass
+``model="mixture"`` for the paper's truncated-normal mixture.
 ==================  ==============================  ======  ==========  =========
 """
 
@@ -177,14 +180,35 @@ class Compressor:
         """Whether the current step's gradients feed a refit (adaptive and the schedule is due)."""
         return self.adaptive and self.schedule.due(self.step)
 
-    def record_stats(self, norms: np.ndarray, means: np.ndarray, stds: np.ndarray) -> None:
-        """Add per-bucket statistics of this step's local gradient (kept: the top-K by norm)."""
-        new = BucketStats.from_buckets(norms, means, stds, self.bucket_size, top_k=self.top_k)
+    @property
+    def wants_histogram(self) -> bool:
+        """Whether refits need the n_b²-weighted histogram of normalized coordinates
+        (``model="histogram"``); integrations then pass ``histogram=`` to :meth:`record_stats`."""
+        return False
+
+    def record_stats(self, norms: np.ndarray, means: np.ndarray, stds: np.ndarray,
+                     histogram: np.ndarray | None = None) -> None:
+        """Add per-bucket statistics of this step's local gradient (kept: the top-K by norm),
+        and its normalized histogram when the fit uses one."""
+        if self.wants_histogram and histogram is None:
+            raise ValueError(f"{self.name} fits a histogram model: pass histogram= "
+                             "(kernels.normalized_histogram) to record_stats")
+        new = BucketStats.from_buckets(norms, means, stds, self.bucket_size, top_k=self.top_k,
+                                       histogram=histogram if self.wants_histogram else None)
         self._stats = new if self._stats is None else BucketStats.merge([self._stats, new], self.top_k)
 
     def observe_aggregate(self, tensor: Any) -> None:
         """See a part of this step's averaged gradient (identical on every rank). Integrations
         call it on every decoded bucket; DQSGD derives the next step's bits from it."""
+
+    def record_gradient(self, x: np.ndarray) -> None:
+        """:meth:`record_stats` from a numpy gradient (the numpy codec's statistics)."""
+        from horovod_aq import codec
+        from horovod_aq.levels.stats import normalized_histogram
+
+        self.record_stats(*codec.bucket_stats(x, self.bucket_size),
+                          histogram=normalized_histogram(x, self.bucket_size)
+                          if self.wants_histogram else None)
 
     def end_step(self, comm: Comm) -> bool:
         """Finish one training step on every rank: refit if due (collective), advance the step.
@@ -205,7 +229,7 @@ class Compressor:
             return False
         stats = self._stats if self._stats is not None else BucketStats.from_buckets(
             np.empty(0), np.empty(0), np.empty(0), self.bucket_size)
-        local = stats.to_array(self.top_k)
+        local = stats.to_array(self.top_k, include_histogram=self.wants_histogram)
 
         def fit(arrays: list[np.ndarray]) -> np.ndarray:
             merged = BucketStats.merge([BucketStats.from_array(a) for a in arrays], self.top_k)
@@ -402,27 +426,60 @@ class NaturalDithering(Compressor):
 
 # ---------------------------------------------------------------------- adaptive levels
 class _Adaptive(Compressor):
-    """Adaptive tables: start from E-ref (p = 1/2) as the reference does, refit on schedule."""
+    """Adaptive tables: start from E-ref (p = 1/2) as the reference does, refit on schedule.
+
+    ``model`` is the distribution F the levels are fitted to (quantizers.md §5):
+
+    * ``"histogram"`` (default): the n_b²-weighted histogram of every normalized coordinate r
+      (1025 bins, fine near 0). Its expected variance is the gradient's actual quantization
+      error, sparse gradients' point mass at 0 and heavy tails included. Measured on a small
+      MNIST CNN at 3 bits: normalized variance 0.54 vs 1.51 with the mixture at B = 8192, and
+      0.38 vs 0.55 at B = 1024.
+    * ``"mixture"``: the paper's mixture of truncated normals over the top-K buckets, weights
+      ∝ n_b^γ (``weighting``: "squared_norm" γ = 2, or "norm" γ = 1 as the reference code).
+      Each component has std ≈ 1/√B, so it cannot represent within-bucket heavy tails.
+    """
 
     adaptive = True
-    default_bucket_size = 8192
+    #: 1024, not the paper's 8192: on small or sparse models the larger bucket costs a lot of
+    #: variance (MNIST CNN, 3 bits: test accuracy 95.9% at 1024 vs 93.1% at 8192, fp32 96.2%)
+    #: and the norms cost only 32/1024 = 0.03 bits per coordinate. Pass bucket_size=8192 to
+    #: reproduce the paper's setting.
+    default_bucket_size = 1024
+    MODELS = ("histogram", "mixture")
 
-    def __init__(self, bits: int = 3, *, weighting: str = DEFAULT_WEIGHTING, **kwargs: Any) -> None:
+    def __init__(self, bits: int = 3, *, model: str = "histogram",
+                 weighting: str = DEFAULT_WEIGHTING, **kwargs: Any) -> None:
         if weighting not in ("squared_norm", "norm"):
             raise ValueError(f"weighting must be 'squared_norm' or 'norm', got {weighting!r}")
+        if model not in self.MODELS:
+            raise ValueError(f"model must be one of {self.MODELS}, got {model!r}")
         self.weighting = weighting
+        self.model = model
         super().__init__(bits, **kwargs)
+
+    @property
+    def wants_histogram(self) -> bool:
+        return self.model == "histogram"
 
     def initial_levels(self) -> np.ndarray:
         return families.exponential(self.bits, 0.5)
 
+    def distribution(self, stats: BucketStats):
+        """The fitting distribution F for ``model``."""
+        if self.model == "histogram":
+            return stats.histogram_model()
+        if self.model == "pooled":
+            return stats.pooled_normal()
+        return stats.mixture(self.weighting)
+
     def config(self) -> dict[str, Any]:
-        return {**super().config(), "weighting": self.weighting}
+        return {**super().config(), "model": self.model, "weighting": self.weighting}
 
 
 class ALQ(_Adaptive):
     """ALQ (arXiv 2010.12460): levels fitted by exact coordinate descent on the expected variance
-    of a truncated-normal mixture of the buckets' statistics (quantizers.md §7)."""
+    V(ℓ; F) (quantizers.md §6–§7); F per ``model`` (see :class:`_Adaptive`)."""
 
     method = "alq"
 
@@ -433,7 +490,7 @@ class ALQ(_Adaptive):
     def fit_levels(self, stats: BucketStats) -> np.ndarray:
         from horovod_aq.levels import fit_alq
 
-        return fit_alq(stats.mixture(self.weighting), self.bits, symmetric=self.symmetric,
+        return fit_alq(self.distribution(stats), self.bits, symmetric=self.symmetric,
                        initial=self.table.levels)
 
     def config(self) -> dict[str, Any]:
@@ -444,12 +501,11 @@ class ALQN(ALQ):
     """ALQ-N: ALQ on a single pooled truncated normal (quantizers.md §5.4)."""
 
     method = "alqn"
+    MODELS = ("pooled",)
 
-    def fit_levels(self, stats: BucketStats) -> np.ndarray:
-        from horovod_aq.levels import fit_alq
-
-        return fit_alq(stats.pooled_normal(), self.bits, symmetric=self.symmetric,
-                       initial=self.table.levels)
+    def __init__(self, bits: int = 3, **kwargs: Any) -> None:
+        kwargs.setdefault("model", "pooled")
+        super().__init__(bits, **kwargs)
 
 
 class ALQG(_Adaptive):
@@ -460,7 +516,7 @@ class ALQG(_Adaptive):
     def fit_levels(self, stats: BucketStats) -> np.ndarray:
         from horovod_aq.levels import fit_alq_gd
 
-        return fit_alq_gd(stats.mixture(self.weighting), self.bits)
+        return fit_alq_gd(self.distribution(stats), self.bits)
 
 
 class AMQ(_Adaptive):
@@ -471,18 +527,18 @@ class AMQ(_Adaptive):
     def fit_levels(self, stats: BucketStats) -> np.ndarray:
         from horovod_aq.levels import fit_amq
 
-        return fit_amq(stats.mixture(self.weighting), self.bits)
+        return fit_amq(self.distribution(stats), self.bits)
 
 
 class AMQN(AMQ):
     """AMQ-N: AMQ on a single pooled truncated normal."""
 
     method = "amqn"
+    MODELS = ("pooled",)
 
-    def fit_levels(self, stats: BucketStats) -> np.ndarray:
-        from horovod_aq.levels import fit_amq
-
-        return fit_amq(stats.pooled_normal(), self.bits)
+    def __init__(self, bits: int = 3, **kwargs: Any) -> None:
+        kwargs.setdefault("model", "pooled")
+        super().__init__(bits, **kwargs)
 
 
 #: Every compressor class by its command-line name.

@@ -90,6 +90,10 @@ class DQSGD(Compressor):
         for listener in list(self._listeners):
             listener(self.table)
 
+    @property
+    def wants_histogram(self) -> bool:
+        return self.widths[self.rule.min_bits].wants_histogram
+
     # bits: derived from the aggregated gradient every rank decoded identically
     def observe_aggregate(self, tensor: Any) -> None:
         """Add ‖part of the averaged gradient‖² (called on the decoded aggregate, every rank)."""

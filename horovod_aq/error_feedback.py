@@ -175,8 +175,16 @@ class ErrorFeedback(Compressor):
     def initial_levels(self) -> np.ndarray:
         return self.inner.initial_levels()
 
-    def record_stats(self, norms: np.ndarray, means: np.ndarray, stds: np.ndarray) -> None:
-        self.inner.record_stats(norms, means, stds)
+    @property
+    def wants_histogram(self) -> bool:
+        return self.inner.wants_histogram
+
+    def record_stats(self, norms: np.ndarray, means: np.ndarray, stds: np.ndarray,
+                     histogram: np.ndarray | None = None) -> None:
+        self.inner.record_stats(norms, means, stds, histogram)
+
+    def record_gradient(self, x: np.ndarray) -> None:
+        self.inner.record_gradient(x)
 
     def observe_aggregate(self, tensor: Any) -> None:
         self.inner.observe_aggregate(tensor)

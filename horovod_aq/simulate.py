@@ -72,7 +72,7 @@ def run_sgd(problem: LeastSquares, compressor: Compressor | None, *, workers: in
                 continue
             x = ef.compensate(f"worker{p}", g) if ef is not None else g
             if compressor.recording:
-                compressor.record_stats(*codec.bucket_stats(x, compressor.bucket_size))
+                compressor.record_gradient(x)
             payload = codec.encode(x.astype(np.float32), compressor.table,
                                    bucket_size=compressor.bucket_size, norm=compressor.norm,
                                    seed=int(rng.integers(2**63)))

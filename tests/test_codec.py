@@ -395,11 +395,25 @@ def test_truncated_and_oversized_payloads(payload_and_table):
 def test_wrong_magic_version_and_reserved_fields(payload_and_table):
     payload, table = payload_and_table
     for offset, value, match in [(0, ord("X"), "magic"), (2, 2, "format version 2"),
-                                 (3, 9, "bits 9"), (4, 7, "norm code 7"), (5, 1, "reserved")]:
+                                 (3, 9, "bits 9"), (4, 7, "norm code 7"), (5, 2, "reserved")]:
         bad = payload.copy()
         bad[offset] = value
         with pytest.raises(PayloadError, match=match):
             codec.decode(bad, table)
+
+
+def test_a_nonfinite_marker_is_refused_with_its_element(payload_and_table):
+    payload, table = payload_and_table
+    header = codec.parse_header(payload)
+    marker = codec.nonfinite_payload(header.numel, table, header.bucket_size, header.norm, 42)
+    assert marker.size == payload.size
+    with pytest.raises(codec.NonFiniteGradientError, match="first at element 42") as info:
+        codec.decode(marker, table)
+    assert info.value.first == 42
+    with pytest.raises(codec.NonFiniteGradientError, match="rank 1: ") as info:
+        codec.decode_average(np.stack([payload, marker]), table)
+    assert info.value.rank == 1
+    assert codec.nonfinite_rows(np.stack([payload, marker])[:, codec.FLAGS_OFFSET]) == [1]
 
 
 def test_another_table_version_or_values_is_refused(payload_and_table):

@@ -121,8 +121,10 @@ class TwoRankComm:
 def test_agree_on_table_fits_on_the_root_from_every_rank():
     rng = np.random.default_rng(0)
     comp = horovod_aq.ALQ(bits=3, bucket_size=256)
-    mine = horovod_aq.levels.bucket_stats(rng.standard_normal(256 * 40), 256).to_array(comp.top_k)
-    theirs = horovod_aq.levels.bucket_stats(rng.standard_t(3, 256 * 40), 256).to_array(comp.top_k)
+    def stats(x):
+        return horovod_aq.levels.bucket_stats(x, 256, histogram=True).to_array(comp.top_k)
+
+    mine, theirs = stats(rng.standard_normal(256 * 40)), stats(rng.standard_t(3, 256 * 40))
     seen = []
 
     def fit(arrays):
@@ -215,7 +217,7 @@ def test_adaptive_step_bookkeeping():
     versions = []
     for _ in range(4):
         if comp.recording:
-            comp.record_stats(*codec.bucket_stats(rng.laplace(size=128 * 30), 128))
+            comp.record_gradient(rng.laplace(size=128 * 30))
         comp.end_step(LocalComm())
         versions.append(comp.table.version)
     assert versions == [1, 1, 2, 2] and comp.step == 4

@@ -103,7 +103,7 @@ def test_dqsgd_state_dict_round_trip():
     for _ in range(5):
         g = rng.standard_normal(4096)
         if a.recording:
-            a.record_stats(*codec.bucket_stats(g, 256))
+            a.record_gradient(g)
         a.observe_aggregate(g)
         a.end_step(LocalComm())
     b = horovod_aq.DQSGD(target_bits=3.0, levels="alq", bucket_size=256, schedule="0,3,0")

@@ -48,6 +48,23 @@ x_j (j ≥ 2) takes the §7.1 update on G; x_1 solves 2x_1·G(x_1) = ∫_{x_1}^{
 (strictly increasing left minus right side). Quantile start: x_i = G⁻¹((2i − 1)/(2K − 1)),
 which is F's quantile start when F is symmetric.
 
+Histogram laws (``histogram.HistogramDistribution``, the empirical model). Everything above
+holds with piecewise-polynomial moments: F is piecewise linear, so each exact update is a
+closed-form solve in one bin (found by binary search on prefix sums) and needs no iteration;
+the symmetric x_1 equation is a quadratic in its bin. The density is discontinuous and may
+vanish on whole intervals: J stays convex (J″ = (d − c)·f ≥ 0) but can be flat, and then
+its minimizers form an interval of which the update takes the point nearest to the old level
+(a level already in it stays). The Newton steps use the exact piecewise Hessian (f taken
+right-continuous at an edge); levels in empty bins have zero curvature and are moved by the
+exact updates, as above.
+
+Relocation moves (``relocate=True``, package extension, off by default). Coordinate descent
+never moves a level past its neighbours, so on multimodal laws — irregular or sparse
+histograms — it can stop with one level too many on one side of a gap. After the descent,
+each round scores every "remove ℓ_i, insert a level at the probability midpoint of another
+gap" move by its exact V, descends the best few and keeps the result if V drops; V never
+increases and the result is again a fixed point of the descent.
+
 ALQ-G (§7.3): for each interior level in Gauss–Seidel order, g_j = J′(ℓ_j),
 δ = min(ℓ_j − ℓ_{j−1}, ℓ_{j+1} − ℓ_j), ℓ_j ← ℓ_j − sign(g_j)·min(η|g_j|, δ/2); symmetric by
 default (the reference hard-codes it; there the left gap of x_1 is x_1 itself), 30 sweeps, the
@@ -118,6 +135,13 @@ NEGLIGIBLE_GAIN = 1e-18
 _FREEZE_CURVATURE = 1e-12
 #: A damped Newton step may shrink each interval to at most this fraction of its length.
 _NEWTON_FRACTION = 0.5
+#: Relocation moves (``fit_alq(..., relocate=True)``): at most RELOCATE_ROUNDS rounds; each
+#: scores up to _RELOCATE_MAX_SCORED one-level moves by their exact V, descends the
+#: RELOCATE_CANDIDATES best, and keeps the result if it lowers V by more than _RELOCATE_GAIN.
+RELOCATE_ROUNDS = 4
+RELOCATE_CANDIDATES = 6
+_RELOCATE_MAX_SCORED = 1024
+_RELOCATE_GAIN = 1e-9
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,6 +397,7 @@ def _cd_sweep(
     if prob.histogram:
         return _cd_sweep_hist(prob, X, V, only=only, order=order)
     law = prob.law
+    assert isinstance(law, _TruncatedNormalSum)
     P = prob.points(X)
     t_all = law._terms(P)  # (S, n+2, K) cache, refreshed as levels change
     z, Pm, H, phi = t_all.z.copy(), t_all.P.copy(), t_all.H.copy(), t_all.phi.copy()
@@ -445,35 +470,46 @@ def _cd_sweep_hist(
     law = prob.law
     assert isinstance(law, _PiecewiseUniform)
     P = prob.points(X)
-    K = law._bin(P)  # bin of every point, kept current as levels move
+    # per point, kept current as levels move: bin, F(x) and M1(lower, x) as hi + lo
+    K = law._bin(P)
+    Fh, Fl, Mh, Ml = law._point_sums(P, K)
     threshold = NEGLIGIBLE_GAIN * np.abs(V)
     with np.errstate(all="ignore"):
         for j in _sweep_sequence(P.shape[1], order):
             allowed = None if only is None else only[:, j - 1]
             if allowed is not None and not allowed.any():
                 continue
-            c, d, x_old = P[:, j - 1], P[:, j + 1], P[:, j]
-            kc, kd = K[:, j - 1], K[:, j + 1]
-            M0, U = law._mass_and_up(c, d, kc, kd)
-            todo = (M0 >= MIN_INTERVAL_MASS) & (M0 * (d - c) ** 2 > threshold)
+            c, d = P[:, j - 1], P[:, j + 1]
+            M0 = (Fh[:, j + 1] - Fh[:, j - 1]) + (Fl[:, j + 1] - Fl[:, j - 1])
+            D = d - c
+            todo = (M0 >= MIN_INTERVAL_MASS) & (M0 * D * D > threshold)
             if allowed is not None:
                 todo &= allowed
-            rows = todo.nonzero()[0]
-            if rows.size == 0:
+            # all rows (the usual case): slices, no gathers
+            rows: np.ndarray | slice = slice(None) if todo.all() else todo.nonzero()[0]
+            if not isinstance(rows, slice) and rows.size == 0:
                 continue
-            cr, dr, xr, M0r, Ur = c[rows], d[rows], x_old[rows], M0[rows], U[rows]
+            cr, Dr, M0r, kc = c[rows], D[rows], M0[rows], K[rows, j - 1]
+            M1 = (Mh[rows, j + 1] - Mh[rows, j - 1]) + (Ml[rows, j + 1] - Ml[rows, j - 1])
+            U = M1 - cr * M0r  # ∫_c^d (r − c) dF
             if prob.symmetric and j == 1:
                 # 2x·G(x) = ∫_x^d (d − u) dG; c = 0, so A = ∫_0^d (d − u) dG = d·M0 − U
-                root = law._first_level_root(dr, dr * M0r - Ur, kd[rows])
+                dr = d[rows]
+                root = law._first_level_root(dr, dr * M0r - U, K[rows, j + 1])
             else:
-                t = np.minimum(np.maximum(M0r - Ur / (dr - cr), 0.0), M0r)
-                x_lo, x_hi = law._root_set(cr, t, kc[rows])
-                root = np.minimum(np.maximum(xr, x_lo), x_hi)
-            good = np.isfinite(root) & (root > cr) & (root < dr) & (root != xr)
+                t = np.minimum(np.maximum(M0r - U / Dr, 0.0), M0r)
+                x_lo, x_hi = law._root_set(cr, t, kc, (Fh[rows, j - 1], Fl[rows, j - 1]))
+                root = np.minimum(np.maximum(P[rows, j], x_lo), x_hi)
+            # NaN guard (§7.1): strictly inside (c, d), finite, and a move
+            off = root - cr
+            good = (off > 0.0) & (off < Dr) & (root != P[rows, j])
             if good.any():
-                upd = rows[good]
-                P[upd, j] = root[good]
-                K[upd, j] = law._bin(root[good])
+                upd = good.nonzero()[0] if isinstance(rows, slice) else rows[good]
+                x_new = root[good]
+                P[upd, j] = x_new
+                k_new = law._bin(x_new)
+                K[upd, j] = k_new
+                Fh[upd, j], Fl[upd, j], Mh[upd, j], Ml[upd, j] = law._point_sums(x_new, k_new)
     return P[:, 1:-1].copy()
 
 
@@ -504,6 +540,7 @@ def _gd_sweep(prob: _Problem, X: np.ndarray, lr: float) -> np.ndarray:
     if prob.histogram:
         return _gd_sweep_hist(prob, X, lr)
     law = prob.law
+    assert isinstance(law, _TruncatedNormalSum)
     P = prob.points(X)
     terms = law._terms(P)
     z, Pm, H, phi = terms.z.copy(), terms.P.copy(), terms.H.copy(), terms.phi.copy()
@@ -731,6 +768,76 @@ def _starts(
     return names, X
 
 
+def _relocation_candidates(prob: _Problem, x: np.ndarray) -> np.ndarray:
+    """Free-variable vectors with one level moved to another gap (rows, sorted).
+
+    Level i (of the free variables x) is removed and a level inserted at the probability
+    midpoint law⁻¹((law(a) + law(b))/2) of a gap [a, b] not adjacent to it (adjacent gaps are
+    local moves the descent already explores). With more than ``_RELOCATE_MAX_SCORED`` pairs,
+    only the levels of smallest and the gaps of largest local cost S are paired.
+    """
+    law = prob.law
+    P = prob.points(x[None, :])[0]
+    n = x.size
+    cdf = law.cdf(P)
+    mids = law.ppf(np.clip(0.5 * (cdf[:-1] + cdf[1:]), 0.0, 1.0))
+    gap_ok = (mids > P[:-1]) & (mids < P[1:])
+    remove = np.arange(n)
+    gaps = np.arange(n + 1)
+    per_side = math.isqrt(_RELOCATE_MAX_SCORED)
+    if n * (n + 1) > _RELOCATE_MAX_SCORED:
+        S = law.segment_cost(P[:-1], P[1:])
+        remove = np.sort(np.argsort(S[:-1] + S[1:], kind="stable")[:per_side])
+        gaps = np.sort(np.argsort(-S, kind="stable")[:per_side])
+    grid_i, grid_m = np.meshgrid(remove, gaps, indexing="ij")
+    i, m = grid_i.ravel(), grid_m.ravel()
+    keep = (m != i) & (m != i + 1) & gap_ok[m]
+    i, m = i[keep], m[keep]
+    if i.size == 0:
+        return np.empty((0, n))
+    rows = np.repeat(x[None, :], i.size, axis=0)
+    rows[np.arange(i.size), i] = mids[m]
+    return np.sort(rows, axis=1)
+
+
+def _relocate(
+    prob: _Problem,
+    x: np.ndarray,
+    v: float,
+    *,
+    max_sweeps: int,
+    tol: float,
+    sweeps: int | None,
+    accelerate: bool,
+) -> tuple[np.ndarray, float, int]:
+    """Relocation moves after the descent (``fit_alq(..., relocate=True)``).
+
+    Coordinate descent cannot move a level across the others, so on multimodal laws
+    (histograms with empty bins, separated modes) it can stop with one level too many on one
+    side. Each round scores all one-level moves (``_relocation_candidates``) by their exact V,
+    descends the ``RELOCATE_CANDIDATES`` best and keeps the best result if it lowers V by more
+    than a fraction ``_RELOCATE_GAIN``; rounds stop when none does (at most
+    ``RELOCATE_ROUNDS``). V never increases; the result is again a fixed point of the descent.
+    Returns (x, V, rounds that improved).
+    """
+    improved = 0
+    for _ in range(RELOCATE_ROUNDS):
+        cand = _relocation_candidates(prob, x)
+        if cand.shape[0] == 0:
+            break
+        Vc = _variance(prob, cand)
+        order = np.lexsort((np.arange(Vc.size), Vc))[:RELOCATE_CANDIDATES]
+        X, V, _ = _descend(
+            prob, cand[order], max_sweeps=max_sweeps, tol=tol, sweeps=sweeps, accelerate=accelerate
+        )
+        best = int(np.argmin(V))
+        if not V[best] < v * (1.0 - _RELOCATE_GAIN):
+            break
+        x, v = X[best], float(V[best])
+        improved += 1
+    return x, v, improved
+
+
 def _finish(prob: _Problem, X: np.ndarray) -> np.ndarray:
     return separate_levels(prob.tables(X[None, :])[0])
 
@@ -785,14 +892,19 @@ def fit_alq(
     sweeps: int | None = None,
     accelerate: bool = True,
     companding_start: bool = True,
+    relocate: bool = False,
 ) -> np.ndarray:
     """ALQ (or ALQ-N on a single-component ``dist``): the 2^bits-level table minimizing V.
 
     Runs the exact coordinate descent (module docstring) from the quantile, U-ref and E-ref
     starts, the companding start (unless ``companding_start=False``; see
     ``alq_initializations``) and ``initial`` (e.g. the previous table) if given, and returns
-    the table of lowest V as a valid read-only float64 array. ``sweeps=n`` does exactly n plain sweeps per start (the
-    reference's 30); otherwise sweeps run until the ``tol``/``MOVE_TOL`` stop or ``max_sweeps``.
+    the table of lowest V as a valid read-only float64 array. ``sweeps=n`` does exactly n
+    plain sweeps per start (the reference's 30); otherwise sweeps run until the
+    ``tol``/``MOVE_TOL`` stop or ``max_sweeps``. ``dist`` may be a ``TruncatedNormalMixture``
+    or a ``HistogramDistribution``. ``relocate=True`` (package extension, off by default: it
+    costs one to a few more descents) then tries moving single levels to other gaps
+    (``_relocate``), which helps on multimodal laws such as sparse or irregular histograms.
     Deterministic.
     """
     F = _check_dist(dist)
@@ -812,7 +924,19 @@ def fit_alq(
         used.tolist(),
         names[best],
     )
-    return _finish(prob, X[best])
+    x = X[best]
+    if relocate and prob.n_free > 1:
+        x, v, rounds = _relocate(
+            prob,
+            x,
+            float(V[best]),
+            max_sweeps=max_sweeps,
+            tol=tol,
+            sweeps=sweeps,
+            accelerate=accelerate,
+        )
+        logger.debug("fit_alq relocation: %d improving rounds, V=%.10g", rounds, v)
+    return _finish(prob, x)
 
 
 def fit_alq_gd(

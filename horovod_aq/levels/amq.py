@@ -74,9 +74,7 @@ def _tables(p: np.ndarray, bits: int) -> np.ndarray:
     return np.concatenate([-pos[:, ::-1], pos], axis=1)
 
 
-def _v_of_p(
-    dist: Distribution, p: np.ndarray, bits: int, *, series: bool = True
-) -> np.ndarray:
+def _v_of_p(dist: Distribution, p: np.ndarray, bits: int, *, series: bool = True) -> np.ndarray:
     p = np.asarray(p, dtype=np.float64).reshape(-1)
     out = np.empty(p.size)
     for start in range(0, p.size, _GRID_BATCH):

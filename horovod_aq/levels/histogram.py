@@ -79,8 +79,6 @@ HISTOGRAM_BINS = 1025
 #: and ~geometric beyond. 1e-4 is well below 1/√B for any practical bucket size.
 HISTOGRAM_SCALE = 1e-4
 
-_TINY = 1e-300
-
 
 # ----------------------------------------------------------------------------------------------
 # edges and the binning rule
@@ -101,16 +99,18 @@ def _sinh_edges(num_bins: int, scale: float) -> np.ndarray:
     return e
 
 
-def histogram_edges(
-    num_bins: int = HISTOGRAM_BINS, scale: float = HISTOGRAM_SCALE
-) -> np.ndarray:
+def histogram_edges(num_bins: int = HISTOGRAM_BINS, scale: float = HISTOGRAM_SCALE) -> np.ndarray:
     """Edges e_0 = −1 < … < e_H = 1 of the sinh grid r_k = s0·sinh(t_k·asinh(1/s0)).
 
     t_k = −1 + 2k/H (k = 0 … H), s0 = ``scale``. The grid is exactly antisymmetric
     (e_{H−k} = −e_k) with e_0 = −1 and e_H = 1 exactly; for odd H there is no edge at 0, for
     even H e_{H/2} = 0. Returns a read-only float64 array of H + 1 values (cached).
     """
-    if isinstance(num_bins, bool) or int(num_bins) != num_bins or int(num_bins) < 1:
+    try:
+        ok = not isinstance(num_bins, bool) and int(num_bins) == num_bins and int(num_bins) >= 1
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
         raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
     scale = float(scale)
     if not (math.isfinite(scale) and scale > 0.0):
@@ -158,10 +158,10 @@ def histogram_bin_index(r: object, edges: object | None = None) -> np.ndarray:
     ``stats.normalized_histogram``); float32 r or edges move values within one float32 ulp of
     an edge to the neighbouring bin.
     """
-    e = histogram_edges() if edges is None else _check_edges(edges)
     x = np.clip(np.asarray(r, dtype=np.float64), -1.0, 1.0)
     if np.any(np.isnan(x)):
         raise ValueError("histogram_bin_index needs non-NaN values")
+    e = histogram_edges() if edges is None else _check_edges(edges)
     k = np.searchsorted(e, x, side="right") - 1
     return np.clip(k, 0, e.size - 2).astype(np.int64)
 
@@ -383,43 +383,72 @@ class _PiecewiseUniform:
         return self._table_terms(L)[2].sum(axis=-1)
 
     # -- the fitters' per-level solves -------------------------------------------------------------
+    def _point_sums(self, x: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Cumulative sums at points x in bins k, each as hi + lo (double-double-ish):
+
+        F(x) = Fh + Fl and M1(lower, x) = Mh + Ml, where hi is the exact prefix sum to the bin
+        (rounded) and lo its rounding error plus the partial bin. Differences of these give
+        M0 and M1 over [c, d] to a few ulps of the larger partial bin — cheaper than
+        ``_mass_and_up`` (no case split), used by the coordinate sweeps.
+        """
+        off = x - self._edges[k]
+        rho = self._rho[k]
+        Fh = self._c0[0][k]
+        Fl = self._c0[1][k] + rho * off
+        Mh = self._c1[0][k]
+        Ml = self._c1[1][k] + 0.5 * rho * off * (x + self._edges[k])
+        return Fh, Fl, Mh, Ml
+
     def _root_set(
-        self, c: np.ndarray, t: np.ndarray, i: np.ndarray | None = None
+        self,
+        c: np.ndarray,
+        t: np.ndarray,
+        i: np.ndarray | None = None,
+        sums: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The interval [x_lo, x_hi] of x ≥ c with M0(c, x) = t (1-D c, t; 0 ≤ t ≤ M0(c, upper)).
 
         x_lo = inf{x : M0(c, x) ≥ t}, x_hi = sup{x : M0(c, x) ≤ t}; they differ where F is
-        flat. The bin of x_lo is found by binary search on the prefix sums (key F(c) + t) or,
-        where that key is in the upper half, on the suffix sums (key 1 − F(c) − t); inside the
-        bin x_lo = s + (t − M0(c, s))/ρ with s the bin start (or c) and M0(c, s) an exact
-        range sum. If the density right of x_lo is zero, x_hi is the start of the next bin
-        with mass. ``i`` is bin(c) if known.
+        flat. The bin β of x_lo is found by binary search on the prefix sums (key F(c) + t) or,
+        where that key is in the upper half, on the suffix sums (key 1 − F(c) − t); F is linear
+        in bin β, so x_lo = e_β + (t − (F(e_β) − F(c)))/ρ_β, clipped to the bin and ≥ c. If
+        the density right of x_lo is zero, x_hi is the start of the next bin with mass.
+        ``i`` = bin(c) and ``sums`` = F(c) as (hi, lo) (``_point_sums``) if known.
         """
         e, rho, last = self._edges, self._rho, self._nbins - 1
         if i is None:
             i = self._bin(c)
-        rho_i = rho[i]
-        above_c = rho_i * (e[i + 1] - c)  # mass of c's bin above c
-        hi, lo = self._c0
-        key_head = hi[i] + ((lo[i] + rho_i * (c - e[i])) + t)  # F(c) + t
-        key_tail = self._tail[i + 1] + (above_c - t)  # 1 − F(c) − t
-        # the bin before the first edge with F(e) ≥ key (or 1 − F(e) ≤ 1 − key)
-        m = np.where(
-            key_head > key_tail,
-            np.searchsorted(self._neg_tail, -key_tail, side="left"),
-            np.searchsorted(self._head, key_head, side="left"),
-        )
+        if sums is None:
+            Fh, Fl, _, _ = self._point_sums(c, i)
+        else:
+            Fh, Fl = sums
+        key_head = Fh + (Fl + t)  # F(c) + t
+        key_tail = self._tail[i + 1] + (rho[i] * (e[i + 1] - c) - t)  # 1 − F(c) − t
+        # β: the bin before the first edge with F(e) ≥ key (or 1 − F(e) ≤ 1 − key)
+        upper = key_head > key_tail
+        if not upper.any():
+            m = np.searchsorted(self._head, key_head, side="left")
+        elif upper.all():
+            m = np.searchsorted(self._neg_tail, -key_tail, side="left")
+        else:
+            m = np.where(
+                upper,
+                np.searchsorted(self._neg_tail, -key_tail, side="left"),
+                np.searchsorted(self._head, key_head, side="left"),
+            )
         beta = np.minimum(np.maximum(m - 1, i), last)
-        inner = beta > i
-        start = np.where(inner, e[beta], c)
-        before = np.where(inner, above_c + self._range(self._c0, np.minimum(i + 1, beta), beta), 0.0)
+        hi, lo = self._c0
+        before = (hi[beta] - Fh) + (lo[beta] - Fl)  # F(e_β) − F(c) (negative if β = i)
         rb = rho[beta]
         end = e[beta + 1]
-        x_lo = start + (t - before) / np.where(rb > 0.0, rb, np.inf)
-        x_lo = np.minimum(np.maximum(x_lo, start), end)
+        x_lo = e[beta] + (t - before) / np.where(rb > 0.0, rb, np.inf)
+        x_lo = np.minimum(np.maximum(x_lo, np.maximum(e[beta], c)), end)
         # flat continuation: the bin at x_lo (right-continuous) and the next bin with mass
         j = np.minimum(beta + (x_lo >= end), last)
-        x_hi = np.where(rho[j] > 0.0, x_lo, e[self._next_mass[j]])
+        rj = rho[j]
+        if rj.all():
+            return x_lo, x_lo
+        x_hi = np.where(rj > 0.0, x_lo, e[self._next_mass[j]])
         return x_lo, np.maximum(x_hi, x_lo)
 
     def _first_level_root(
@@ -507,7 +536,10 @@ class HistogramDistribution(_PiecewiseUniform):
             raise ValueError("histogram weights must be finite")
         if np.any(w < 0.0):
             raise ValueError("histogram weights must be non-negative")
-        total = math.fsum(w.tolist())
+        try:
+            total = math.fsum(w.tolist())
+        except OverflowError:
+            total = math.inf
         if not total > 0.0:
             raise ValueError(
                 "the histogram is empty (all weights zero): no nonzero bucket was seen"

@@ -118,7 +118,10 @@ def _sum_histograms(histograms: list[np.ndarray]) -> np.ndarray:
     if len(histograms) == 1:
         return histograms[0]
     cols = np.stack(histograms, axis=1).tolist()
-    return np.array([math.fsum(col) for col in cols], dtype=np.float64)
+    try:
+        return np.array([math.fsum(col) for col in cols], dtype=np.float64)
+    except OverflowError:
+        raise ValueError("merged histogram weights overflow float64") from None
 
 
 def _canonical_order(norms: np.ndarray, means: np.ndarray, stds: np.ndarray) -> np.ndarray:
@@ -231,7 +234,8 @@ class BucketStats:
         if top_k is not None and n.size > top_k:
             keep = _canonical_order(n, m, s)[:top_k]
             n, m, s = n[keep], m[keep], s[keep]
-        return cls(n, m, s, b, count, sum_u, sum_sq_dev, histogram)
+        hist = None if histogram is None else _check_histogram(histogram)
+        return cls(n, m, s, b, count, sum_u, sum_sq_dev, hist)
 
     @classmethod
     def merge(cls, stats: Iterable[BucketStats], top_k: int | None = None) -> BucketStats:
@@ -418,9 +422,13 @@ def _add_histogram(block: np.ndarray, edges: np.ndarray, out: np.ndarray) -> Non
     scaled = block[nz] / amax[nz, None]
     root = np.sqrt(np.einsum("ij,ij->i", scaled, scaled))
     r = np.clip(scaled / root[:, None], -1.0, 1.0)
-    n2 = np.square(amax[nz] * root)
+    with np.errstate(over="ignore"):
+        n2 = np.square(amax[nz] * root)
     if not np.all(np.isfinite(n2)):
         raise ValueError("a bucket norm is too large: n_b² overflows float64")
+    # sorting each bucket first changes no bin (the weight is per bucket) but makes the binary
+    # searches run over sorted keys, several times faster than on raw coordinates
+    r.sort(axis=1)
     k = np.clip(np.searchsorted(edges, r.ravel(), side="right") - 1, 0, edges.size - 2)
     out += np.bincount(k, weights=np.repeat(n2, block.shape[1]), minlength=edges.size - 1)
 

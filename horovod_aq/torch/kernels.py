@@ -600,3 +600,45 @@ def bucket_stats(x: torch.Tensor, bucket_size: int) -> tuple[np.ndarray, np.ndar
     u = rows[keep] / norms[keep, None]
     stats = (norms[keep], u.mean(dim=1), u.std(dim=1, correction=1))
     return tuple(t.cpu().numpy() for t in stats)  # type: ignore[return-value]
+
+
+#: Coordinates binned per pass by ``normalized_histogram`` (bounds its float64 temporaries).
+_HISTOGRAM_CHUNK = 1 << 20
+
+
+def normalized_histogram(x: torch.Tensor, bucket_size: int) -> np.ndarray:
+    """n_b²-weighted histogram of r = v/‖v_b‖ over every bucket (tail included), float64 numpy.
+
+    The device version of ``horovod_aq.levels.stats.normalized_histogram`` (same rule: in
+    float64 a = max|v|, s = v/a, ρ = √Σs², r = clip(s/ρ, −1, 1), weight (a·ρ)², bin = number of
+    edges ≤ r, minus one, clamped), fed to the histogram model of ALQ/AMQ refits. Runs only
+    at refit steps; one H-bin vector is copied to the host.
+    """
+    from horovod_aq.levels.histogram import histogram_edges
+
+    bucket_size = codec._check_int("bucket_size", bucket_size, 2, codec.MAX_BUCKET_SIZE)
+    flat = _as_float32_flat(x)
+    edges_np = histogram_edges()
+    edges = torch.from_numpy(edges_np.copy()).to(flat.device)
+    bins = edges_np.size - 1
+    out = torch.zeros(bins, dtype=torch.float64, device=flat.device)
+    full = flat.numel() // bucket_size
+    rows_per_chunk = max(1, _HISTOGRAM_CHUNK // bucket_size)
+    blocks = [flat[i * bucket_size:min(i + rows_per_chunk, full) * bucket_size]
+              .view(-1, bucket_size) for i in range(0, full, rows_per_chunk)]
+    if flat.numel() > full * bucket_size:
+        blocks.append(flat[full * bucket_size:].view(1, -1))
+    for block in blocks:
+        block = block.to(torch.float64)
+        amax = block.abs().amax(dim=1)
+        keep = amax > 0
+        if not bool(keep.any()):
+            continue
+        scaled = block[keep] / amax[keep, None]
+        root = scaled.square().sum(dim=1).sqrt()
+        r = (scaled / root[:, None]).clamp_(-1.0, 1.0)
+        weight = (amax[keep] * root).square()
+        k = (torch.bucketize(r, edges, right=True) - 1).clamp_(0, bins - 1)
+        out += torch.bincount(k.reshape(-1), weights=weight.repeat_interleave(block.shape[1]),
+                              minlength=bins)
+    return out.cpu().numpy()

@@ -216,7 +216,9 @@ class _PackedOptimizer(torch.optim.Optimizer):
             return
         x = ef.compensate(bucket.name, raw) if ef is not None else raw   # g + α·h
         if comp.recording:
-            comp.record_stats(*kernels.bucket_stats(x, comp.bucket_size))
+            comp.record_stats(*kernels.bucket_stats(x, comp.bucket_size),
+                              histogram=kernels.normalized_histogram(x, comp.bucket_size)
+                              if comp.wants_histogram else None)
         rec.numel += bucket.numel
         rec.numel_quantized += bucket.numel
         rec.exchanges[bucket.mode] = rec.exchanges.get(bucket.mode, 0) + 1

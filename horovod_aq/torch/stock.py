@@ -95,7 +95,10 @@ def quantize_local(compressor: Compressor, flat: torch.Tensor) -> torch.Tensor:
     out = kernels.quantize(flat, compressor.table, bucket_size=compressor.bucket_size,
                            norm=compressor.norm, generator=gen)
     if compressor.recording:
-        compressor.record_stats(*kernels.bucket_stats(flat, compressor.bucket_size))
+        compressor.record_stats(
+            *kernels.bucket_stats(flat, compressor.bucket_size),
+            histogram=kernels.normalized_histogram(flat, compressor.bucket_size)
+            if compressor.wants_histogram else None)
     return out
 
 
