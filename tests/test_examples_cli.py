@@ -35,8 +35,9 @@ def _run_example(script: str, tmp_path, *args: str, controller: str = "gloo") ->
 
 
 @pytest.mark.multiprocess
-def test_pytorch_example_alq(tmp_path):
-    run = _run_example("pytorch_mnist.py", tmp_path, "--compression", "alq", "--bits", "3",
+@pytest.mark.parametrize("script", ["pytorch_mnist.py", "tensorflow_mnist.py", "keras_mnist.py"])
+def test_example_alq(tmp_path, script):
+    run = _run_example(script, tmp_path, "--compression", "alq", "--bits", "3",
                        "--epochs", "1", "--bucket-size", "1024")
     summary = run["metrics"]["summary"]
     assert summary["test_acc"] > 0.3                       # chance is 0.1
