@@ -1,0 +1,55 @@
+"""TensorFlow integration: the packed-exchange ``DistributedGradientTape`` and ``refit``.
+
+``horovod_aq.tensorflow.DistributedGradientTape(tape, compression=horovod_aq.ALQ(bits=3))``
+sends bit-packed codes (eager or inside ``tf.function``, Keras 3 or ``tf.Variable`` sources);
+``horovod_aq.keras.DistributedOptimizer`` does the same for Keras 3 ``model.fit``. With
+Horovod's own ``hvd.DistributedGradientTape(tape, compression=horovod_aq.ALQ(bits=3))`` (or
+tf_keras' ``horovod.tensorflow.keras.DistributedOptimizer``) the gradients are quantized and sent
+as fp16. Either way call :func:`refit` once per step, eagerly, to keep adaptive levels fitted
+(``horovod_aq.keras.RefitCallback`` does it in ``model.fit``).
+
+``horovod_aq.tensorflow.kernels`` needs only TensorFlow; the integration needs Horovod, imported
+here so that, under an MPI launcher, mpi4py can initialize MPI before Horovod (see
+:mod:`horovod_aq.mpi`). A missing Horovod is reported when the integration is used.
+"""
+
+import importlib
+
+from horovod_aq import mpi as _mpi
+from horovod_aq._requirements import require
+
+require("tensorflow", "tensorflow")
+try:
+    import horovod.tensorflow as _hvd
+except ImportError:  # kernels still work; the integration raises a clear error on use
+    _hvd = None
+else:
+    _mpi.preinit(horovod_initialized=_hvd.is_initialized())
+
+_LAZY = {
+    "DistributedGradientTape": "horovod_aq.tensorflow.tape",
+    "DEFAULT_FUSION_BYTES": "horovod_aq.tensorflow.packed",
+    "PackedExchange": "horovod_aq.tensorflow.packed",
+    "exchange_for": "horovod_aq.tensorflow.packed",
+    "ConfigMismatchError": "horovod_aq.sync",
+    "PayloadError": "horovod_aq.codec",
+    "refit": "horovod_aq.tensorflow.step",
+    "end_step": "horovod_aq.tensorflow.step",
+    "HorovodComm": "horovod_aq.tensorflow.comm",
+    "comm_for": "horovod_aq.tensorflow.comm",
+    "tf_state": "horovod_aq.tensorflow.state",
+}
+_WITHOUT_HOROVOD = {"ConfigMismatchError", "PayloadError", "tf_state"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'horovod_aq.tensorflow' has no attribute {name!r}")
+    if _hvd is None and name not in _WITHOUT_HOROVOD:
+        require("horovod.tensorflow", "tensorflow")
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
+
+__all__ = ["DEFAULT_FUSION_BYTES", "ConfigMismatchError", "DistributedGradientTape", "HorovodComm",
+           "PackedExchange", "PayloadError", "comm_for", "end_step", "exchange_for", "refit",
+           "tf_state"]

@@ -1,0 +1,75 @@
+"""The eager end of a TensorFlow training step: refit adaptive levels when due, record telemetry.
+
+One function serves every TensorFlow way in, because all of them keep the compressor's table,
+flags and recorded statistics in the same :class:`~horovod_aq.tensorflow.state.TFState`:
+
+* Horovod's stock path (``hvd.DistributedGradientTape(tape, compression=comp)``, tf_keras'
+  ``hvd.DistributedOptimizer``): call ``horovod_aq.tensorflow.refit(comp)`` after each step;
+* the packed tape in a ``tf.function`` train step: call ``refit(comp)`` (or
+  ``tape.end_step()`` when the tape object lives outside the function) after each step;
+* Keras 3 ``model.fit``: ``horovod_aq.keras.RefitCallback`` calls it after each batch.
+
+Protocol (shared with PyTorch; ``Compressor.end_step``): during a recording step the traced
+graphs wrote per-bucket statistics into slots; here they are handed to
+``compressor.record_stats``, then ``compressor.end_step(comm)`` gathers them to rank 0 of the
+process set, fits, broadcasts the table (mpi4py under MPI, Horovod under Gloo) and advances the
+step. The table listener assigns the new levels to the variables the graphs read, and the
+recording flag / step variables are set for the next step — no retrace.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from horovod_aq.compressors import Compressor
+from horovod_aq.tensorflow.comm import comm_for
+from horovod_aq.tensorflow.state import tf_state
+
+logger = logging.getLogger(__name__)
+
+
+def refit(compressor: Compressor, *, process_set: hvd.ProcessSet | None = None) -> bool:
+    """End one training step of ``compressor`` on every rank of ``process_set``.
+
+    Call it once per step, eagerly (outside ``tf.function``), after the optimizer step, on every
+    rank of the set (default: all ranks). Refits the levels when the schedule says so (the new
+    table is used from the next step) and records one telemetry record per packed exchange that
+    ran. With a single-member set nothing is exchanged or fitted; the step is only counted.
+    Returns whether the table changed.
+    """
+    if not tf.executing_eagerly():
+        raise RuntimeError(
+            "horovod_aq.tensorflow.refit / end_step run the refit protocol eagerly between steps; "
+            "call it after your tf.function train step returns, not inside it (with model.fit use "
+            "horovod_aq.keras.RefitCallback)")
+    process_set = process_set if process_set is not None else hvd.global_process_set
+    if not process_set.included():
+        return False
+    state = tf_state(compressor)
+    if not state.in_sync:
+        logger.warning("%s: its step changed outside refit() (load_state_dict?); the recording "
+                       "flag of the step that just ran may have been stale", compressor.name)
+    with state.lock:
+        exchanges = [e for e in state.exchanges.values()
+                     if e.process_set.process_set_id == process_set.process_set_id]
+    ran = [(e, e.take_calls()) for e in exchanges]
+    step = compressor.step
+    if process_set.size() > 1:
+        if compressor.recording:
+            state.flush_stats()
+        refitted = compressor.end_step(comm_for(process_set))
+    else:
+        compressor.step += 1
+        refitted = False
+    state.sync()
+    for exchange, (calls, skipped) in ran:
+        if calls:
+            exchange.record_step(step, refitted, calls, skipped)
+    return refitted
+
+
+#: The name the packed integrations use for the same thing.
+end_step = refit

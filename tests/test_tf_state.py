@@ -1,0 +1,120 @@
+"""Single-process checks of the TensorFlow integration's state (no Horovod ranks launched).
+
+The stock ``compress`` runs here without ``hvd.init()`` (one rank, stream of rank 0): its values
+must be exactly the numpy codec's quantization with the uniforms the compressor's generator
+draws, and a new level table must reach an already traced function without retracing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from horovod_aq import codec
+
+tf = pytest.importorskip("tensorflow")
+pytest.importorskip("horovod.tensorflow")
+
+import horovod_aq
+from horovod_aq.levels.stats import normalized_histogram
+from horovod_aq.levels.table import LevelTable
+from horovod_aq.tensorflow.state import graph_bucket_stats, tf_state
+
+BUCKET = 64
+
+
+def _gradient(n=1000, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * rng.lognormal(0, 1, n)).astype(np.float32)
+    x[BUCKET:2 * BUCKET] = 0.0  # a zero bucket
+    return x
+
+
+def _next_uniforms(comp, n):
+    gen = tf_state(comp).generator
+    clone = tf.random.Generator.from_state(gen.state.numpy(), gen.algorithm)
+    return clone.uniform([n], dtype=tf.float32).numpy()
+
+
+def test_stock_compress_is_codec_quantize_and_sees_new_tables_without_retrace():
+    comp = horovod_aq.ALQ(bits=3, bucket_size=BUCKET, seed=5)
+    x = _gradient()
+    fn = tf.function(lambda t: comp.decompress(*comp.compress(t)))
+    for version in range(3):
+        if version:
+            levels = np.sort(np.concatenate([[-1.0, 1.0], np.random.default_rng(version)
+                                             .uniform(-0.9, 0.9, 6)]))
+            comp.set_table(LevelTable(levels, version))
+        u = _next_uniforms(comp, x.size)
+        got = fn(tf.constant(x)).numpy()
+        want = codec.quantize(x, comp.table, bucket_size=BUCKET, uniforms=u)
+        np.testing.assert_array_equal(got, want.astype(np.float16).astype(np.float32))
+    assert fn.experimental_get_tracing_count() == 1
+
+
+def test_stock_fp16_casts_and_guards_the_fp16_range():
+    x = tf.constant(_gradient())
+    wire, ctx = horovod_aq.FP16().compress(x)
+    assert wire.dtype == tf.float16 and ctx == tf.float32
+    comp = horovod_aq.QSGD(bits=4, bucket_size=BUCKET)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="fp16 range"):
+        comp.compress(tf.constant(np.full(BUCKET, 1e5, np.float32)))
+
+
+def test_recorded_statistics_match_the_codec():
+    comp = horovod_aq.ALQ(bits=3, bucket_size=BUCKET, schedule="0,0")  # refit at step 0 only
+    x = _gradient(2000)
+    tf.function(lambda t: comp.compress(t)[0])(tf.constant(x))
+    state = tf_state(comp)
+    assert comp.recording and state.recording.numpy()
+    stats = [s.read(0) for s in state.slots]
+    assert len(stats) == 1 and stats[0] is not None
+    for got, want in zip(stats[0], codec.bucket_stats(x, BUCKET)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+    assert comp.wants_histogram  # ALQ's default model: the histogram is recorded too
+    np.testing.assert_allclose(stats[0][3], normalized_histogram(x, BUCKET), rtol=1e-12)
+    norms, means, stds = (t.numpy() for t in graph_bucket_stats(tf.constant(x), BUCKET))
+    assert norms.size == x.size // BUCKET and norms[1] == 0 and means[1] == 0 and stds[1] == 0
+
+
+def test_state_dict_restores_the_random_stream():
+    comp = horovod_aq.QSGD(bits=3, bucket_size=BUCKET, seed=9)
+    x = tf.constant(_gradient())
+    comp.compress(x)
+    saved = comp.state_dict()
+    assert "tensorflow" in saved["framework"]
+    a = comp.compress(x)[0].numpy()
+    other = horovod_aq.QSGD(bits=3, bucket_size=BUCKET, seed=9)
+    other.load_state_dict(saved)
+    np.testing.assert_array_equal(other.compress(x)[0].numpy(), a)
+
+
+def test_unsupported_compressors_are_refused_clearly():
+    from horovod_aq.dqsgd import DQSGD
+    from horovod_aq.error_feedback import ErrorFeedback
+
+    x = tf.constant(_gradient())
+    with pytest.raises(NotImplementedError, match="TensorFlow"):
+        DQSGD(target_bits=3).compress(x)
+    with pytest.raises(NotImplementedError, match="TensorFlow"):
+        tf_state(ErrorFeedback(horovod_aq.QSGD(bits=2)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "int64",
+                                   "uint32", "bool", "uint8", "int8"])
+def test_variable_bytes_roundtrip(dtype):
+    from horovod_aq.tensorflow.keras import _as_bytes, _from_bytes
+
+    rng = np.random.default_rng(0)
+    for shape in [(), (3,), (2, 5)]:
+        value = tf.cast(tf.constant(rng.uniform(0, 100, shape)), dtype)
+        back = _from_bytes(_as_bytes(value), value.dtype, value.shape)
+        assert back.dtype == value.dtype and back.shape == value.shape
+        np.testing.assert_array_equal(back.numpy(), value.numpy())
+
+
+def test_keras_wrapper_refuses_other_optimizers():
+    from horovod_aq.tensorflow.keras import DistributedOptimizer
+
+    with pytest.raises(TypeError, match="Keras 3 optimizer"):
+        DistributedOptimizer(object(), horovod_aq.ALQ())
