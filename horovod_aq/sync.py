@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -157,3 +157,60 @@ def check_handshake(gathered: np.ndarray, describe: Callable[[np.ndarray], str])
         "horovod_aq: ranks disagree on the compressor settings, level table, step or the set of "
         "tensors exchanged; every rank must build the same model, optimizer and compressor (and "
         "load the same checkpoint):\n  " + "\n  ".join(lines))
+
+
+# ---------------------------------------------------------------------- Horovod transports
+def set_ranks(hvd: Any, process_set: Any) -> list[int]:
+    """Global ranks of a Horovod ``process_set`` (Horovod fills ``ranks`` at init)."""
+    ranks = process_set.ranks
+    return list(ranks) if ranks else list(range(hvd.size()))
+
+
+class HorovodComm:
+    """:class:`Comm` over one framework's Horovod collectives on one process set.
+
+    Subclasses (``horovod_aq.torch.comm``, ``horovod_aq.tensorflow.comm``) implement
+    ``_allgather(rows [1, L] float64, name) -> [size, L]`` and
+    ``_broadcast(array, global_root, name)``. ``root`` in :meth:`broadcast` is relative to the
+    set; Horovod wants a global rank, so it is mapped through ``process_set.ranks``.
+    """
+
+    hvd: Any = None  #: the framework's horovod module (set by subclasses)
+
+    def __init__(self, process_set: Any = None) -> None:
+        self.process_set = process_set if process_set is not None else self.hvd.global_process_set
+        self.rank = self.process_set.rank()
+        self.size = self.process_set.size()
+        self._ranks = set_ranks(self.hvd, self.process_set)
+
+    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
+        return self._allgather(np.ascontiguousarray(array, dtype=np.float64).reshape(1, -1), name)
+
+    def broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
+        return self._broadcast(np.array(array, dtype=np.float64, copy=True), self._ranks[root],
+                               name)
+
+    def _allgather(self, rows: np.ndarray, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def _broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+
+_mpi_comms: dict[tuple[int, ...], MPIComm] = {}
+
+
+def comm_for(horovod_comm: type[HorovodComm], process_set: Any = None) -> Comm:
+    """The refit transport for ``process_set``: mpi4py (a communicator per set, created on first
+    use — collectively) under the MPI controller when mpi4py initialized MPI (see
+    :mod:`horovod_aq.mpi`), else ``horovod_comm`` (Horovod's own collectives)."""
+    from horovod_aq import mpi
+
+    hvd = horovod_comm.hvd
+    process_set = process_set if process_set is not None else hvd.global_process_set
+    if hvd.mpi_enabled() and mpi.mpi4py_owns_mpi():
+        key = tuple(set_ranks(hvd, process_set))
+        if key not in _mpi_comms:
+            _mpi_comms[key] = MPIComm(key)
+        return _mpi_comms[key]
+    return horovod_comm(process_set)

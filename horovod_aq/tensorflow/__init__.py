@@ -13,18 +13,10 @@ here so that, under an MPI launcher, mpi4py can initialize MPI before Horovod (s
 :mod:`horovod_aq.mpi`). A missing Horovod is reported when the integration is used.
 """
 
-import importlib
-
-from horovod_aq import mpi as _mpi
-from horovod_aq._requirements import require
+from horovod_aq._requirements import import_horovod, lazy_attributes, require
 
 require("tensorflow", "tensorflow")
-try:
-    import horovod.tensorflow as _hvd
-except ImportError:  # kernels still work; the integration raises a clear error on use
-    _hvd = None
-else:
-    _mpi.preinit(horovod_initialized=_hvd.is_initialized())
+_hvd = import_horovod("horovod.tensorflow")
 
 _LAZY = {
     "DistributedGradientTape": "horovod_aq.tensorflow.tape",
@@ -40,15 +32,9 @@ _LAZY = {
     "tf_state": "horovod_aq.tensorflow.state",
 }
 _WITHOUT_HOROVOD = {"ConfigMismatchError", "PayloadError", "tf_state"}
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'horovod_aq.tensorflow' has no attribute {name!r}")
-    if _hvd is None and name not in _WITHOUT_HOROVOD:
-        require("horovod.tensorflow", "tensorflow")
-    return getattr(importlib.import_module(_LAZY[name]), name)
-
+__getattr__ = lazy_attributes(__name__, _LAZY, "horovod.tensorflow",
+                              horovod_present=_hvd is not None,
+                              without_horovod=frozenset(_WITHOUT_HOROVOD))
 
 __all__ = ["DEFAULT_FUSION_BYTES", "ConfigMismatchError", "DistributedGradientTape", "HorovodComm",
            "PackedExchange", "PayloadError", "comm_for", "end_step", "exchange_for", "refit",

@@ -10,18 +10,10 @@ so that, under an MPI launcher, mpi4py can initialize MPI before Horovod (see
 :mod:`horovod_aq.mpi`). A missing Horovod is reported when the integration is used.
 """
 
-import importlib
-
-from horovod_aq import mpi as _mpi
-from horovod_aq._requirements import require
+from horovod_aq._requirements import import_horovod, lazy_attributes, require
 
 require("torch", "torch")
-try:
-    import horovod.torch as _hvd
-except ImportError:  # kernels still work; the integration raises a clear error on use
-    _hvd = None
-else:
-    _mpi.preinit(horovod_initialized=_hvd.is_initialized())
+_hvd = import_horovod("horovod.torch")
 
 _LAZY = {
     "DistributedOptimizer": "horovod_aq.torch.optimizer",
@@ -31,14 +23,6 @@ _LAZY = {
     "HorovodComm": "horovod_aq.torch.comm",
     "comm_for": "horovod_aq.torch.comm",
 }
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'horovod_aq.torch' has no attribute {name!r}")
-    if _hvd is None:
-        require("horovod.torch", "torch")
-    return getattr(importlib.import_module(_LAZY[name]), name)
-
-
+__getattr__ = lazy_attributes(__name__, _LAZY, "horovod.torch", horovod_present=_hvd is not None,
+                              without_horovod=frozenset({"ConfigMismatchError"}))
 __all__ = sorted(_LAZY)

@@ -1,4 +1,4 @@
-"""Horovod-backed transports for the refit protocol (:mod:`horovod_aq.sync`) in PyTorch.
+"""The refit protocol's transport (:mod:`horovod_aq.sync`) over Horovod's PyTorch collectives.
 
 Under the MPI controller the level-table agreement runs over mpi4py on a duplicate of the world
 communicator restricted to the process set (DESIGN.md) — when mpi4py initialized MPI, see
@@ -12,46 +12,24 @@ import numpy as np
 import torch
 
 import horovod.torch as hvd
-from horovod_aq import mpi
-from horovod_aq.sync import Comm, MPIComm
+from horovod_aq import sync
+from horovod_aq.sync import Comm
 
 
-def set_ranks(process_set: hvd.ProcessSet) -> list[int]:
-    """Global ranks of ``process_set`` (Horovod fills ``ranks`` at init)."""
-    ranks = process_set.ranks
-    return list(ranks) if ranks else list(range(hvd.size()))
-
-
-class HorovodComm:
+class HorovodComm(sync.HorovodComm):
     """:class:`~horovod_aq.sync.Comm` over Horovod torch collectives on one process set."""
 
-    def __init__(self, process_set: hvd.ProcessSet = hvd.global_process_set) -> None:
-        self.process_set = process_set
-        self.rank = process_set.rank()
-        self.size = process_set.size()
-        self._ranks = set_ranks(process_set)
+    hvd = hvd
 
-    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float64)).reshape(1, -1)
-        return hvd.allgather(tensor, name=name, process_set=self.process_set).numpy()
+    def _allgather(self, rows: np.ndarray, name: str) -> np.ndarray:
+        return hvd.allgather(torch.from_numpy(rows), name=name,
+                             process_set=self.process_set).numpy()
 
-    def broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
-        tensor = torch.from_numpy(np.array(array, dtype=np.float64, copy=True))
-        return hvd.broadcast(tensor, root_rank=self._ranks[root], name=name,
+    def _broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
+        return hvd.broadcast(torch.from_numpy(array), root_rank=root, name=name,
                              process_set=self.process_set).numpy()
 
 
-_mpi_comms: dict[tuple[int, ...], MPIComm] = {}
-
-
 def comm_for(process_set: hvd.ProcessSet = hvd.global_process_set) -> Comm:
-    """The transport for ``process_set``: mpi4py under the MPI controller, Horovod under Gloo.
-
-    Collective on first use per process set (the MPI communicator is created then).
-    """
-    if hvd.mpi_enabled() and mpi.mpi4py_owns_mpi():
-        key = tuple(set_ranks(process_set))
-        if key not in _mpi_comms:
-            _mpi_comms[key] = MPIComm(key)
-        return _mpi_comms[key]
-    return HorovodComm(process_set)
+    """mpi4py under the MPI controller (when it initialized MPI), else :class:`HorovodComm`."""
+    return sync.comm_for(HorovodComm, process_set)
