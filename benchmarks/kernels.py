@@ -28,7 +28,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from horovod_aq import codec  # (imported after the sys.path insert)
+from benchmarks.report import loadavg, machine  # (imported after the sys.path insert)
+from horovod_aq import codec
 from horovod_aq.levels.table import LevelTable
 
 SIZES = {"64K": 1 << 16, "1M": 1 << 20, "16M": 1 << 24, "64M": 1 << 26}
@@ -56,8 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown sizes {sorted(unknown)}; use {sorted(SIZES)}")
     if args.output is None:
-        name = "kernels_quick.md" if args.quick else "kernels.md"
-        args.output = str(ROOT / "benchmarks" / "results" / name)
+        folder = ROOT / "benchmarks" / "results" / ("quick" if args.quick else "")
+        args.output = str(folder / "kernels.md")
     return args
 
 
@@ -167,31 +168,6 @@ def make_bench(name: str, threads):
 
 
 # ---------------------------------------------------------------------------------- report
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f", {kb / 2**20:.0f} GiB RAM"
-    except (OSError, ValueError, IndexError):
-        pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs{mem}, {platform.system()} {platform.release()}"
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
 
 
 def main(argv=None) -> int:

@@ -114,8 +114,16 @@ def main() -> int:
     ap.add_argument("--bucket-size", type=int, default=8192)
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--output", default=str(Path(__file__).parent / "results" / "levels_refit.md"))
+    ap.add_argument("--output", default=None,
+                    help="markdown file (default benchmarks/results/levels_refit.md)")
+    ap.add_argument("--quick", action="store_true",
+                    help="CI: 3 bits, 2 repeats, written to benchmarks/results/quick/")
     args = ap.parse_args()
+    if args.quick:
+        args.bits, args.repeats = [3], 2
+    if args.output is None:
+        folder = Path(__file__).parent / "results" / ("quick" if args.quick else "")
+        args.output = str(folder / "levels_refit.md")
 
     g = synthetic_gradient(args.buckets, args.bucket_size)
     t0 = time.perf_counter()
