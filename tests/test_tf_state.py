@@ -89,15 +89,58 @@ def test_state_dict_restores_the_random_stream():
     np.testing.assert_array_equal(other.compress(x)[0].numpy(), a)
 
 
-def test_unsupported_compressors_are_refused_clearly():
+def test_stock_path_refuses_dqsgd_and_error_feedback_clearly():
     from horovod_aq.dqsgd import DQSGD
     from horovod_aq.error_feedback import ErrorFeedback
 
     x = tf.constant(_gradient())
-    with pytest.raises(NotImplementedError, match="TensorFlow"):
-        DQSGD(target_bits=3).compress(x)
-    with pytest.raises(NotImplementedError, match="TensorFlow"):
-        tf_state(ErrorFeedback(horovod_aq.QSGD(bits=2)))
+    with pytest.raises(NotImplementedError, match="DistributedGradientTape"):
+        DQSGD(target_bits=3).compress(x)            # Horovod's compression= hook
+    with pytest.raises(TypeError, match="parameter"):
+        ErrorFeedback(horovod_aq.QSGD(bits=2)).compress(x)
+
+
+def test_dqsgd_state_keeps_one_table_per_width_and_the_width_index():
+    comp = horovod_aq.DQSGD(target_bits=3.0, min_bits=2, max_bits=5, levels="alq",
+                            bucket_size=BUCKET)
+    state = tf_state(comp)
+    assert [w.bits for w in state.widths] == [2, 3, 4, 5]
+    assert state.levels is None and int(state.width_index.numpy()) == comp.bits - 2
+    for w, b in zip(state.widths, range(2, 6)):
+        assert w.levels.numpy().tobytes() == codec.float32_levels(comp.widths[b].table).tobytes()
+    levels = np.sort(np.concatenate([[-1.0, 1.0], np.linspace(-0.5, 0.5, 6)]))
+    comp.widths[3].set_table(LevelTable(levels, 1))      # a refit of one width (listener)
+    np.testing.assert_array_equal(state.widths[1].levels.numpy(),
+                                  codec.float32_levels(comp.widths[3].table))
+    assert state.widths[0].levels.numpy().size == 4       # the other widths are untouched
+    comp.bits = 5
+    assert not state.in_sync
+    state.sync()
+    assert state.in_sync and int(state.width_index.numpy()) == 3
+
+
+def test_error_feedback_memory_variables_follow_the_core():
+    ef = horovod_aq.ECQ(horovod_aq.QSGD(bits=2, bucket_size=BUCKET), alpha=0.3, beta=0.8)
+    state = tf_state(ef)
+    assert ef._fw_state["tensorflow"] is state and state.error_feedback is ef
+    var = state.memory_variable("bucket0", 8)
+    assert ef.memory["bucket0"] is var and var.dtype == tf.float32
+    var.assign(np.arange(8, dtype=np.float32))
+    saved = ef.state_dict()                               # the core reads the variables
+    np.testing.assert_array_equal(saved["memory"]["bucket0"], np.arange(8))
+    assert ef.memory_norm() == pytest.approx(np.linalg.norm(np.arange(8)))
+    other = horovod_aq.ECQ(horovod_aq.QSGD(bits=2, bucket_size=BUCKET), alpha=0.3, beta=0.8)
+    other.load_state_dict(saved)                          # a fresh compressor: created from it
+    np.testing.assert_array_equal(tf_state(other).memory_variable("bucket0", 8).numpy(),
+                                  np.arange(8))
+    ef.reset_memory("test")                               # the core drops its memory ...
+    state.sync()                                          # ... and the variable follows
+    assert ef.memory["bucket0"] is var and not var.numpy().any()
+    ef.load_state_dict(saved)                             # a load between steps
+    state.sync()
+    np.testing.assert_array_equal(var.numpy(), np.arange(8))
+    with pytest.raises(ValueError, match="elements"):
+        state.memory_variable("bucket0", 9)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "int64",

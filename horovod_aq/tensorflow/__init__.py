@@ -30,6 +30,8 @@ _LAZY = {
     "HorovodComm": "horovod_aq.tensorflow.comm",
     "comm_for": "horovod_aq.tensorflow.comm",
     "tf_state": "horovod_aq.tensorflow.state",
+    "state_dict": "horovod_aq.tensorflow.checkpoint",
+    "load_state_dict": "horovod_aq.tensorflow.checkpoint",
 }
 _WITHOUT_HOROVOD = {"ConfigMismatchError", "PayloadError", "tf_state"}
 __getattr__ = lazy_attributes(__name__, _LAZY, "horovod.tensorflow",
@@ -37,5 +39,5 @@ __getattr__ = lazy_attributes(__name__, _LAZY, "horovod.tensorflow",
                               without_horovod=frozenset(_WITHOUT_HOROVOD))
 
 __all__ = ["DEFAULT_FUSION_BYTES", "ConfigMismatchError", "DistributedGradientTape", "HorovodComm",
-           "PackedExchange", "PayloadError", "comm_for", "end_step", "exchange_for", "refit",
-           "tf_state"]
+           "PackedExchange", "PayloadError", "comm_for", "end_step", "exchange_for",
+           "load_state_dict", "refit", "state_dict", "tf_state"]

@@ -24,6 +24,10 @@ calls (``train_step`` → ``optimizer.apply_gradients`` → ``apply``), and its 
 * Refits happen eagerly between batches: :class:`RefitCallback` calls the exchange's
   ``end_step`` (:func:`horovod_aq.tensorflow.refit`) after every batch. Without it adaptive levels
   are never refitted and telemetry stays empty.
+* DQSGD and ErrorFeedback (``ECQ``) work as on the tape: :class:`RefitCallback` moves DQSGD
+  to the next width between batches (no retrace); checkpoint the compressor with
+  ``opt.exchange.state_dict()`` (collective with ErrorFeedback memory) /
+  ``opt.exchange.load_state_dict(state)``.
 * ``model.compile(jit_compile=...)`` must be False (the callbacks check it; "auto" turns XLA on
   with a GPU), and ``steps_per_execution`` must be 1 for :class:`RefitCallback` (one refit step
   per optimizer step).

@@ -45,16 +45,41 @@ step, layout digest, P) named "aq.handshake.x<serial>.<plan>" — independent of
 compares, so mismatched ranks meet in it; ``check_handshake`` raises the same
 ``ConfigMismatchError`` on every rank. It runs at trace time (``tf.init_scope``).
 
+DQSGD (dynamic widths, ``dynamic_and_error_feedback.md`` §1.5): every width in [min_bits,
+max_bits] has its own levels and header variables (:class:`~.state.WidthState`), and encode,
+markers and decode are ``tf.switch_case`` branches over the widths, selected by the state's
+``width_index`` variable — each branch with its own static payload size, so the gathered payload
+sizes change from step to step (allgather and alltoall accept that) and the step never retraces.
+Every payload's header states its bits; a decoder expecting another width refuses it (gathered
+size or header check: ``PayloadError`` / ``InvalidArgumentError``). After the decode the graph
+adds the float64 sum of squares of every decoded bucket and allreduced small tensor — pairwise
+within a tensor, then pairwise over the tensors in layout order, so it is bitwise the same on
+every rank — into a variable that ``refit`` reads and hands to ``observe_aggregate``; the core's
+rule then picks the next width, which ``refit`` copies into ``width_index``.
+
+ECQ-SGD (:class:`~horovod_aq.ErrorFeedback`, §2): each fused bucket has a float32 memory variable
+h (:meth:`~.state.TFState.memory_variable`). Stage 1 quantizes ``compensate_value(g, h)`` =
+g + α·h (allgather: the bucket; two-phase: the padded bucket before chunking, as on PyTorch);
+after every check passed the graph decodes this rank's own payload(s) g̃ and assigns
+``updated_memory(h, g, g̃)`` = β·h + (g − g̃) (zero, counted and logged by ``refit``, if that is
+non-finite). A step in which any rank sent non-finite markers updates no memory: with
+``nonfinite="raise"`` every rank stops before the update, with "skip" every rank skips it (on
+PyTorch the ranks with finite gradients update theirs). The memory never leaves the rank except
+through :func:`horovod_aq.tensorflow.checkpoint.state_dict` (collective, like PyTorch's
+optimizer ``state_dict``).
+
 Refits and telemetry: :meth:`end_step` (eager, after the optimizer step) =
 ``horovod_aq.tensorflow.refit(compressor, process_set=...)``: it reads the statistics recorded
 in-graph on recording steps, runs ``compressor.end_step(comm)`` (the shared protocol), updates the
 variables, and records one :class:`~horovod_aq.telemetry.StepRecord` per exchange that ran
-(bytes from the deterministic payload sizes, like PyTorch).
+(bytes from the deterministic payload sizes of the step's width, like PyTorch; with
+ErrorFeedback ``extra["ef_memory_norm"]``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import re
@@ -89,7 +114,7 @@ from horovod_aq.tensorflow import kernels
 from horovod_aq.tensorflow.state import (
     StatsSlot,
     TFState,
-    check_supported,
+    WidthState,
     state_variable,
     tf_state,
 )
@@ -137,11 +162,25 @@ class _Plan:
     offsets: dict[int, int]          # source position -> offset inside its bucket
     numel: int = 0
     numel_quantized: int = 0
-    payload_bytes: int = 0
-    bytes_sent: int = 0
+    small_bytes_sent: int = 0        # the uncompressed allreduces' bytes
     exchanges: dict[str, int] = dataclasses.field(default_factory=dict)
     fn: Any = None                   # eager entry: tf.function over the exchange
     checked: bool = False
+    _wire: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    def wire_bytes(self, bits: int, bucket_size: int, ranks: int) -> tuple[int, int]:
+        """(payload bytes, bytes sent) of one exchange of this layout at code width ``bits``."""
+        if bits not in self._wire:
+            payload, sent = 0, self.small_bytes_sent
+            for b in self.buckets:
+                if b.mode == "allgather":
+                    payload += codec.payload_size(b.numel, bits, bucket_size)
+                else:
+                    payload += ranks * codec.payload_size(
+                        chunk_numel(b.numel, ranks, bucket_size), bits, bucket_size)
+                sent += bytes_sent(b.mode, b.numel, bits, bucket_size, ranks)
+            self._wire[bits] = (payload, sent)
+        return self._wire[bits]
 
 
 class PackedExchange:
@@ -173,6 +212,10 @@ class PackedExchange:
         self._calls = state_variable(np.int64(0), name=f"aq_calls_{op_name(self.prefix)}")
         self._plan_id = state_variable(np.int64(-1), name=f"aq_plan_{op_name(self.prefix)}")
         self._skipped = state_variable(np.int64(0), name=f"aq_skipped_{op_name(self.prefix)}")
+        #: DQSGD: float64 Σ‖decoded aggregate‖² of the exchanges since the last refit.
+        self._aggregate_sq = (state_variable(np.float64(0.0),
+                                             name=f"aq_aggregate_sq_{op_name(self.prefix)}")
+                              if self._state.dqsgd is not None else None)
         self._calls_seen = 0
         self._skipped_seen = 0
         self._slot_ids = itertools.count()
@@ -186,6 +229,9 @@ class PackedExchange:
         plan = self._plan_list[-1]
         return [(b.name, b.numel, b.mode, [plan.names[i] for i in b.members]) for b in plan.buckets]
 
+    # AutoGraph would convert this module and the kernels at every first trace in a user's
+    # tf.function (seconds): the exchange has no Python control flow on tensors, so skip it.
+    @tf.autograph.experimental.do_not_convert
     def reduce(self, grads: Sequence[Any], sources: Sequence[Any]) -> list[Any]:
         """Average ``grads`` (one per source; None stays None) over the process set.
 
@@ -195,6 +241,7 @@ class PackedExchange:
         """
         return self.reduce_with_status(grads, sources)[0]
 
+    @tf.autograph.experimental.do_not_convert
     def reduce_with_status(self, grads: Sequence[Any],
                            sources: Sequence[Any]) -> tuple[list[Any], tf.Tensor]:
         """:meth:`reduce`, plus a bool tensor: whether a rank sent non-finite markers (the step
@@ -235,7 +282,30 @@ class PackedExchange:
 
         return refit(self.compression, process_set=self.process_set)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's state with every rank's error memory (collective on this exchange's
+        process set); see :func:`horovod_aq.tensorflow.checkpoint.state_dict`."""
+        from horovod_aq.tensorflow.checkpoint import state_dict
+
+        return state_dict(self.compression, process_set=self.process_set)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` on this rank; see
+        :func:`horovod_aq.tensorflow.checkpoint.load_state_dict`."""
+        from horovod_aq.tensorflow.checkpoint import load_state_dict
+
+        load_state_dict(self.compression, state, process_set=self.process_set)
+
     # ------------------------------------------------------------------ refit support
+    def take_aggregate(self) -> float:
+        """DQSGD: Σ‖decoded aggregate‖² (float64) of the exchanges since the last call, then
+        reset to 0 (eager). Bitwise the same on every rank. 0.0 for other compressors."""
+        if self._aggregate_sq is None:
+            return 0.0
+        value = float(self._aggregate_sq.numpy())
+        self._aggregate_sq.assign(0.0)
+        return value
+
     def take_calls(self) -> tuple[int, int]:
         """(exchanges run, of which skipped for non-finite input) since the last call (eager)."""
         calls, skipped = int(self._calls.numpy()), int(self._skipped.numpy())
@@ -243,18 +313,22 @@ class PackedExchange:
         self._calls_seen, self._skipped_seen = calls, skipped
         return delta
 
-    def record_step(self, step: int, refitted: bool, calls: int, skipped: int = 0) -> StepRecord:
-        """Record the telemetry of the step that just ended (the last layout that ran)."""
+    def record_step(self, step: int, refitted: bool, calls: int, skipped: int = 0,
+                    bits: int | None = None) -> StepRecord:
+        """Record the telemetry of the step that just ended (the last layout that ran);
+        ``bits`` is the code width the step used (default: the current table's)."""
         plan_id = int(self._plan_id.numpy())
         plan = self._plan_list[plan_id] if 0 <= plan_id < len(self._plan_list) else None
         comp = self.compression
-        rec = StepRecord(step=step, method=comp.method, ranks=self.ranks,
-                         bits=comp.table.bits if comp.quantizes else comp.bits)
+        if bits is None:
+            bits = comp.table.bits if comp.quantizes else comp.bits
+        rec = StepRecord(step=step, method=comp.method, ranks=self.ranks, bits=bits)
         if plan is not None:
+            payload, sent = plan.wire_bytes(bits, comp.bucket_size, self.ranks)
             rec.numel = plan.numel * calls
             rec.numel_quantized = plan.numel_quantized * calls
-            rec.payload_bytes = plan.payload_bytes * calls
-            rec.bytes_sent = plan.bytes_sent * calls
+            rec.payload_bytes = payload * calls
+            rec.bytes_sent = sent * calls
             rec.exchanges = {k: v * calls for k, v in plan.exchanges.items()}
         rec.bytes_fp32 = bytes_sent("allreduce_fp32", rec.numel, 0, 1, self.ranks)
         if comp.quantizes:
@@ -264,6 +338,8 @@ class PackedExchange:
             rec.levels = comp.table.levels.tolist()
         if skipped:
             rec.extra["skipped"] = float(skipped)
+        if self._state.error_feedback is not None:
+            rec.extra["ef_memory_norm"] = self._state.error_feedback.memory_norm()
         self.telemetry.record(rec)
         return rec
 
@@ -293,17 +369,10 @@ class PackedExchange:
             plan.numel += b.numel
             plan.numel_quantized += b.numel
             plan.exchanges[b.mode] = plan.exchanges.get(b.mode, 0) + 1
-            if b.mode == "allgather":
-                size = codec.payload_size(b.numel, bits, comp.bucket_size)
-            else:
-                size = P * codec.payload_size(chunk_numel(b.numel, P, comp.bucket_size), bits,
-                                              comp.bucket_size)
-            plan.payload_bytes += size
-            plan.bytes_sent += bytes_sent(b.mode, b.numel, bits, comp.bucket_size, P)
         for i in small:
             plan.numel += numels[i]
             wire = "allreduce_fp16" if comp.method == "fp16" else "allreduce_fp32"
-            plan.bytes_sent += bytes_sent(wire, numels[i], 0, 1, P)
+            plan.small_bytes_sent += bytes_sent(wire, numels[i], 0, 1, P)
         plan.fn = tf.function(lambda *ts: self._exchange(plan, list(ts)), autograph=False)
         self._plans[key] = plan
         self._plan_list.append(plan)
@@ -333,25 +402,65 @@ class PackedExchange:
             seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(data, tf.int64))
         return seed
 
+    def _by_width(self, fn) -> tf.Tensor:
+        """``fn(width)`` for the current code width: a plain call for a fixed-width compressor,
+        a ``tf.switch_case`` over DQSGD's widths on the ``width_index`` variable otherwise (each
+        branch has its own static sizes; the result's size is then dynamic)."""
+        st = self._state
+        if st.width_index is None:
+            return fn(st.widths[0])
+        return tf.switch_case(st.width_index.read_value(),
+                              [functools.partial(fn, w) for w in st.widths])
+
+    def _header(self, width: WidthState, numel: int) -> tf.Tensor:
+        return width.header(numel, self.compression.bucket_size, self.compression.norm)
+
     def _encode(self, x: tf.Tensor, numel: int, bucket: str, phase: str,
                 seed: tf.Tensor) -> tf.Tensor:
-        """Encode a flat float32 tensor of ``numel`` elements with the table variables and the
-        uniforms of ``seed`` (``bucket``/``phase`` name the call for instrumentation)."""
-        comp, st = self.compression, self._state
-        return kernels.encode_with(x, st.levels, st.header(numel), bits=comp.table.bits,
-                                   bucket_size=comp.bucket_size, norm=comp.norm, seed=seed,
-                                   check=False)
+        """Encode a flat float32 tensor of ``numel`` elements with the table variables of the
+        current width and the uniforms of ``seed`` (``bucket``/``phase`` name the call for
+        instrumentation)."""
+        comp = self.compression
+        return self._by_width(lambda w: kernels.encode_with(
+            x, w.levels, self._header(w, numel), bits=w.bits, bucket_size=comp.bucket_size,
+            norm=comp.norm, seed=seed, check=False))
 
     def _marker(self, numel: int, first_bad: tf.Tensor) -> tf.Tensor:
         """``codec.nonfinite_payload`` in-graph: this table's header with ``FLAG_NONFINITE`` and
         the first bad element, zeros elsewhere, the size of a real payload."""
-        comp = self.compression
-        header = self._state.header(numel)
         where = tf.bitcast(tf.cast(tf.minimum(first_bad, 2**32 - 1), tf.uint32), tf.uint8)
-        size = codec.payload_size(numel, comp.table.bits, comp.bucket_size)
-        return tf.concat([header[:FLAGS_OFFSET], tf.constant([FLAG_NONFINITE], tf.uint8),
-                          header[FLAGS_OFFSET + 1:MARKER_INDEX_OFFSET], where,
-                          tf.zeros([size - HEADER_SIZE], tf.uint8)], axis=0)
+
+        def marker(w: WidthState) -> tf.Tensor:
+            header = self._header(w, numel)
+            size = codec.payload_size(numel, w.bits, self.compression.bucket_size)
+            return tf.concat([header[:FLAGS_OFFSET], tf.constant([FLAG_NONFINITE], tf.uint8),
+                              header[FLAGS_OFFSET + 1:MARKER_INDEX_OFFSET], where,
+                              tf.zeros([size - HEADER_SIZE], tf.uint8)], axis=0)
+
+        return self._by_width(marker)
+
+    def _rows(self, gathered: tf.Tensor, numel: int, bucket: BucketPlan) -> tf.Tensor:
+        """The gathered (or all-to-all received) payloads of ``numel`` elements as [P, size].
+
+        With DQSGD the size is only known at run time: it is checked first against this rank's
+        width, so that ranks disagreeing on the width fail with a clear message on every rank
+        (every rank received the same sizes) instead of decoding misaligned rows."""
+        P, st = self.ranks, self._state
+        if st.width_index is None:
+            return tf.reshape(gathered, [P, -1])
+        B = self.compression.bucket_size
+        index = st.width_index.read_value()
+        sizes = tf.constant([codec.payload_size(numel, w.bits, B) for w in st.widths], tf.int64)
+        bits = tf.constant([w.bits for w in st.widths], tf.int64)
+        got = tf.size(gathered, out_type=tf.int64)
+        check = tf.debugging.Assert(
+            tf.equal(got, P * tf.gather(sizes, index)),
+            [f"payload size differs: the {P} payloads of bucket {bucket.name} hold", got,
+             "bytes, but at the width of this rank,", tf.gather(bits, index), "bits, they need",
+             P * tf.gather(sizes, index), "; the payload of rank 0 states bits =",
+             tf.cast(gathered[3], tf.int64), ": ranks disagree on the DQSGD bit width"])
+        with tf.control_dependencies([check]):
+            return tf.reshape(gathered, [P, -1])
 
     def _nonfinite_check(self, plan: _Plan, bucket: BucketPlan, rows: tf.Tensor,
                          check: bool = True):
@@ -398,15 +507,71 @@ class PackedExchange:
 
         return tf.cond(tf.reduce_any(bad), markers, encode)
 
-    def _decode_average(self, rows: tf.Tensor, numel: int) -> tf.Tensor:
-        comp, st = self.compression, self._state
-        return kernels.decode_average_with(rows, st.levels, st.header(numel), numel=numel,
-                                           bits=comp.table.bits, bucket_size=comp.bucket_size)
+    def _header_checks(self, rows: tf.Tensor, numel: int, check: bool) -> list:
+        """DQSGD: the decoder's header check of every row of ``rows`` [P, size], done once
+        against the current width's expected header (outside the width branches, which then
+        skip it: the check's assertions are most of a decoder's graph). Fixed width: none here,
+        the kernel checks."""
+        st = self._state
+        if st.width_index is None or not check:
+            return []
+        expected = tf.gather(tf.stack([self._header(w, numel) for w in st.widths]),
+                             st.width_index.read_value())
+        return kernels._decoder_header_check(rows[:, :HEADER_SIZE], expected)
 
-    def _decode(self, row: tf.Tensor, numel: int) -> tf.Tensor:
-        comp, st = self.compression, self._state
-        return kernels.decode_with(row, st.levels, st.header(numel), numel=numel,
-                                   bits=comp.table.bits, bucket_size=comp.bucket_size)
+    def _decode_average(self, rows: tf.Tensor, numel: int) -> tf.Tensor:
+        """Decode the P rows of ``rows`` and average them (header checks included)."""
+        B = self.compression.bucket_size
+        inner = self._state.width_index is None
+        with tf.control_dependencies(self._header_checks(rows, numel, True)):
+            return self._by_width(lambda w: kernels.decode_average_with(
+                rows, w.levels, self._header(w, numel), numel=numel, bits=w.bits,
+                bucket_size=B, check=inner))
+
+    def _decode_rows(self, rows: tf.Tensor, numel: int, check: bool = True) -> tf.Tensor:
+        """Decode every row of ``rows`` [R, size] and concatenate them (R·numel values)."""
+        B = self.compression.bucket_size
+        inner = check and self._state.width_index is None
+
+        def decode(w: WidthState) -> tf.Tensor:
+            header = self._header(w, numel)
+            return tf.concat([kernels.decode_with(rows[r], w.levels, header, numel=numel,
+                                                  bits=w.bits, bucket_size=B, check=inner)
+                              for r in range(int(rows.shape[0]))], axis=0)
+
+        with tf.control_dependencies(self._header_checks(rows, numel, check)):
+            return self._by_width(decode)
+
+    def _update_memory(self, own: dict[int, tuple], buckets: dict[int, BucketPlan],
+                       any_skipped: tf.Tensor, after: list[tf.Tensor]) -> list[tf.Tensor]:
+        """ECQ-SGD: h ← β·h + (g − g̃) for every bucket of ``own``, g̃ = the decode of this
+        rank's own payload(s); runs after ``after`` (every check passed) and not at all when
+        a rank sent non-finite markers."""
+        st = self._state
+        ef, resets = st.error_feedback, st.memory_resets
+        assert ef is not None and resets is not None
+        ops = []
+        with tf.control_dependencies(after):
+            for index, (memory, h, raw, payloads, parts, m) in own.items():
+                numel = buckets[index].numel
+
+                def commit(memory=memory, h=h, raw=raw, payloads=payloads, parts=parts, m=m,
+                           numel=numel) -> tf.Tensor:
+                    rows = tf.reshape(payloads, [parts, -1])
+                    sent = self._decode_rows(rows, m, check=False)[:numel]
+                    new = ef.updated_memory(h, raw, sent)          # β·h + (g − g̃)
+                    deps = []
+                    if ef.reset_on_nonfinite:
+                        finite = tf.reduce_all(tf.math.is_finite(new))
+                        new = tf.where(finite, new, tf.zeros_like(new))
+                        deps.append(resets.assign_add(
+                            tf.cast(tf.logical_not(finite), tf.int64)))
+                    deps.append(memory.assign(new))
+                    with tf.control_dependencies(deps):
+                        return tf.constant(True)
+
+                ops.append(tf.cond(any_skipped, lambda: tf.constant(False), commit))
+        return ops
 
     def _slot(self, numel: int, bucket: str) -> StatsSlot | None:
         return self._state.new_slot(numel, f"{bucket}#{next(self._slot_ids)}")
@@ -415,29 +580,40 @@ class PackedExchange:
         """The exchange graph of one layout (module docstring: stages 1, 2a, 2b, 3). Returns the
         averaged tensors and whether a rank sent non-finite markers (nonfinite="skip": the
         affected tensors are NaN)."""
-        comp, P, ps = self.compression, self.ranks, self.process_set
+        comp, P, ps, st = self.compression, self.ranks, self.process_set, self._state
+        ef = st.error_feedback
         B = comp.bucket_size if comp.quantizes else 1
         first: dict[int, tf.Tensor] = {}     # bucket index -> phase-1 collective output
+        own: dict[int, tuple] = {}           # ECQ: bucket index -> (h var, h, g, payloads, parts, m)
         side_effects: list[tf.Tensor] = []
         skipped = [tf.constant(False)]
         nan = float("nan")
         # stage 1: encode and submit every first collective, small allreduces
         for b in plan.buckets:
             parts = [tf.reshape(tf.cast(tensors[m], tf.float32), [-1]) for m in b.members]
-            flat = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+            raw = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+            flat = raw
+            if ef is not None:
+                memory = st.memory_variable(b.name, b.numel)
+                h = memory.read_value()
+                flat = ef.compensate_value(raw, h)                 # g + α·h
             slot = self._slot(b.numel, b.name)
             if slot is not None:
                 side_effects.append(slot.record(flat))
             if b.mode == "allgather":
-                payload = self._submit(flat, b.numel, b, "submit")
-                first[b.index] = hvd.allgather(payload, name=f"aq.ag.{b.name}",
+                payloads = self._submit(flat, b.numel, b, "submit")
+                sent = (payloads, 1, b.numel)
+                first[b.index] = hvd.allgather(payloads, name=f"aq.ag.{b.name}",
                                                ignore_name_scope=True, process_set=ps)
             else:
                 m = chunk_numel(b.numel, P, B)
                 padded = tf.pad(flat, [[0, P * m - b.numel]])
                 payloads = self._submit(padded, m, b, "submit", parts=P)
+                sent = (payloads, P, m)
                 first[b.index] = hvd.alltoall(payloads, name=f"aq.a2a.{b.name}",
                                               ignore_name_scope=True, process_set=ps)
+            if ef is not None:
+                own[b.index] = (memory, h, raw, *sent)
         small: dict[int, tf.Tensor] = {}
         for i in plan.small:
             g = tensors[i]
@@ -453,7 +629,7 @@ class PackedExchange:
             for b in plan.buckets:
                 if b.mode == "two_phase":
                     m = chunk_numel(b.numel, P, B)
-                    rows = tf.reshape(first[b.index], [P, -1])
+                    rows = self._rows(first[b.index], m, b)
                     bad, check = self._nonfinite_check(plan, b, rows)
                     skipped.append(bad)
                     with tf.control_dependencies([check]):
@@ -471,10 +647,11 @@ class PackedExchange:
                                                     ignore_name_scope=True, process_set=ps)
         # stage 3: check and decode (after every collective completed)
         results: dict[int, tf.Tensor] = {}
+        decoded: list[tuple[tf.Tensor, tf.Tensor]] = []   # (bucket average, skipped) in order
         with tf.control_dependencies(stage1 + list(second.values())):
             for b in plan.buckets:
                 if b.mode == "allgather":
-                    rows = tf.reshape(first[b.index], [P, -1])
+                    rows = self._rows(first[b.index], b.numel, b)
                     bad, check = self._nonfinite_check(plan, b, rows)
                     skipped.append(bad)
                     with tf.control_dependencies([check]):
@@ -482,14 +659,14 @@ class PackedExchange:
                                        lambda rows=rows, b=b: self._decode_average(rows, b.numel))
                 else:
                     m = chunk_numel(b.numel, P, B)
-                    rows = tf.reshape(second[b.index], [P, -1])
+                    rows = self._rows(second[b.index], m, b)
                     bad, _ = self._nonfinite_check(plan, b, rows, check=False)  # skip mode
 
                     def decode_all(rows=rows, m=m, b=b):
-                        parts = [self._decode(rows[r], m) for r in range(P)]
-                        return tf.concat(parts, axis=0)[:b.numel]
+                        return self._decode_rows(rows, m)[:b.numel]
 
                     flat = tf.cond(bad, lambda b=b: tf.fill([b.numel], nan), decode_all)
+                decoded.append((flat, bad))
                 for pos in b.members:
                     off = plan.offsets[pos]
                     n = int(np.prod(plan.shapes[pos], dtype=np.int64))
@@ -497,11 +674,43 @@ class PackedExchange:
                     results[pos] = tf.cast(tf.reshape(flat[off:off + n], tf.shape(g)), g.dtype)
         results.update(small)
         any_skipped = tf.reduce_any(tf.stack(skipped))
+        if own:
+            side_effects += self._update_memory(own, {b.index: b for b in plan.buckets},
+                                                any_skipped, list(results.values()))
+        if self._aggregate_sq is not None:
+            decoded += [(small[i], tf.constant(False)) for i in plan.small]
+            side_effects.append(self._aggregate_sq.assign_add(_aggregate_sum_sq(decoded)))
         counters = [self._calls.assign_add(1), self._plan_id.assign(plan.index),
                     self._skipped.assign_add(tf.cast(any_skipped, tf.int64))]
         with tf.control_dependencies(side_effects + counters):
             outs = [tf.identity(results[pos]) for pos in range(len(tensors))]
             return outs, tf.identity(any_skipped)
+
+
+def _pairwise_sum(v: tf.Tensor) -> tf.Tensor:
+    """Sum of a static-length float64 vector in the canonical pairwise order (zero-padded to a
+    power of two, then halved): a fixed order, so equal inputs give equal bits on every rank."""
+    n = int(v.shape.num_elements())
+    if n == 0:
+        return tf.constant(0.0, tf.float64)
+    width = 1 << (n - 1).bit_length()
+    acc = tf.pad(tf.reshape(v, [n]), [[0, width - n]])
+    while width > 1:
+        width //= 2
+        acc = acc[:width] + acc[width:]
+    return acc[0]
+
+
+def _aggregate_sum_sq(parts: list[tuple[tf.Tensor, tf.Tensor]]) -> tf.Tensor:
+    """Σ‖part‖² in float64 over the decoded aggregate (``DQSGD.observe_aggregate``'s input):
+    pairwise within every part, then pairwise over the parts in layout order; a skipped part
+    (NaN, some rank was non-finite) counts 0, as PyTorch observes only decoded buckets."""
+    if not parts:
+        return tf.constant(0.0, tf.float64)
+    sums = [tf.where(bad, tf.constant(0.0, tf.float64),
+                     _pairwise_sum(tf.square(tf.cast(tf.reshape(x, [-1]), tf.float64))))
+            for x, bad in parts]
+    return _pairwise_sum(tf.stack(sums))
 
 
 def _dense(g: Any) -> tf.Tensor:
@@ -539,7 +748,6 @@ def exchange_for(compression: Compressor, *, process_set: hvd.ProcessSet, exchan
         raise TypeError(
             "compression must be a horovod_aq compressor such as horovod_aq.ALQ(bits=3); Horovod's "
             "hvd.Compression.* objects belong to hvd.DistributedGradientTape")
-    check_supported(compression)
     resolve_exchange(exchange, 1, 1, 1, 1)  # validates the name
     if fusion_bytes < 4:
         raise ValueError(f"fusion_bytes must be >= 4, got {fusion_bytes}")

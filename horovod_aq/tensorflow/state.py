@@ -3,10 +3,12 @@
 Traced graphs (Horovod's cached ``tf.function``, a user's ``@tf.function`` train step, Keras'
 train function) must see refits *without retracing*. So everything a graph reads that changes
 between steps lives in ``tf.Variable`` objects owned by one :class:`TFState` per compressor
-(``compressor._fw_state["tensorflow"]``, created on first use by :func:`tf_state`):
+(``compressor._fw_state["tensorflow"]``, created on first use by :func:`tf_state`; for an
+ErrorFeedback that is its inner compressor's ``_fw_state``):
 
 =================  ==========================================================================
 ``levels``         float32 [N]: ``codec.float32_levels(table)``, assigned by a table listener
+                   (fixed-width compressors; DQSGD keeps one per width in ``widths``)
 ``table_id``       uint8 [8]: header bytes 8..16 (table version u32, table hash u32); a
                    payload header is built in-graph as ``const[:8] ‖ table_id ‖ const[16:]``
                    (:meth:`TFState.header`), the rest of the header never changes at a refit
@@ -15,7 +17,23 @@ between steps lives in ``tf.Variable`` objects owned by one :class:`TFState` per
 ``generator``      ``tf.random.Generator`` seeded with ``seed_for_rank(seed, hvd.rank())``
                    (the stock path's stream; its state is part of ``compressor.state_dict()``;
                    the packed exchange draws stateless per-(step, bucket, part) streams)
+``widths``         one :class:`WidthState` (``levels`` + ``table_id`` of that width's table)
+                   per code width: one for a fixed-width compressor (``levels``/``table_id``
+                   above are its variables), one per width in [min_bits, max_bits] for
+                   :class:`~horovod_aq.DQSGD`, each assigned by that width's table listener
+``width_index``    int32 (DQSGD only): position of ``compressor.bits`` among the widths; the
+                   packed exchange selects its encode/decode branch with ``tf.switch_case`` on
+                   it, so a new width never retraces
+``memory``         (:class:`~horovod_aq.ErrorFeedback` only) float32 [numel] per fused bucket,
+                   keyed by bucket name: the error memory h, updated in-graph; the same
+                   variables are the values of ``compressor.memory``, so the core's
+                   ``state_dict()`` and ``memory_norm()`` read them
 =================  ==========================================================================
+
+The eager :meth:`TFState.sync` (run by ``refit`` after every step) copies step, recording flag
+and width into the variables, and re-installs the memory variables when the core replaced
+``compressor.memory`` (``load_state_dict``, ``reset_memory``): the saved (or zero) memory is
+assigned into the existing variables, which every traced graph keeps reading.
 
 Refit statistics are computed in-graph, on the tensor that is quantized, and written into a
 :class:`StatsSlot` (one per traced call site: a fused bucket, or a tensor on the stock path)
@@ -35,6 +53,7 @@ shapes).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any
@@ -177,56 +196,180 @@ class StatsSlot:
         return norms[keep], self.means.numpy()[keep], self.stds.numpy()[keep], histogram
 
 
+@dataclasses.dataclass(eq=False)
+class WidthState:
+    """The variables of one code width: its table's float32 levels and header identity bytes.
+
+    ``source`` is the compressor whose ``table`` this width encodes with (the compressor
+    itself, or ``DQSGD.widths[b]``); its table listener keeps the variables current."""
+
+    bits: int                      #: ``source.table.bits``: the payload's code width
+    source: Compressor
+    levels: tf.Variable
+    table_id: tf.Variable
+
+    def on_table(self, table: LevelTable) -> None:
+        """Table listener: copy a new (refitted or loaded) table into the variables."""
+        with tf.init_scope():
+            self.levels.assign(codec.float32_levels(table))
+            self.table_id.assign(table_id_bytes(table))
+
+    def header(self, numel: int, bucket_size: int, norm: str) -> tf.Tensor:
+        """The 32 header bytes of a payload of ``numel`` elements for this width's *current*
+        table (``const[:8] ‖ table_id ‖ const[16:]``)."""
+        const = np.frombuffer(codec.make_header(numel, self.source.table, bucket_size, norm),
+                              dtype=np.uint8)
+        return tf.concat([tf.constant(const[:TABLE_ID_SLICE.start]), self.table_id.read_value(),
+                          tf.constant(const[TABLE_ID_SLICE.stop:])], axis=0)
+
+
 class TFState:
     """The TensorFlow variables of one compressor (see the module docstring)."""
 
     def __init__(self, compressor: Compressor) -> None:
+        from horovod_aq.dqsgd import DQSGD
+        from horovod_aq.error_feedback import ErrorFeedback
+
         self.compressor = compressor
         self.lock = threading.Lock()
         self.slots: list[StatsSlot] = []
         #: Packed exchanges built on this compressor (``horovod_aq.tensorflow.packed``), by key.
         self.exchanges: dict[tuple, Any] = {}
         name = _var_name(compressor.name)
+        #: The ErrorFeedback compressor whose memory lives in :attr:`memory` (else None).
+        self.error_feedback = compressor if isinstance(compressor, ErrorFeedback) else None
+        base = self.error_feedback.inner if self.error_feedback is not None else compressor
+        #: The DQSGD compressor whose width selects the branch (else None).
+        self.dqsgd: DQSGD | None = base if isinstance(base, DQSGD) else None
+        self.widths: list[WidthState] = []
         self.levels: tf.Variable | None = None
         self.table_id: tf.Variable | None = None
+        self.width_index: tf.Variable | None = None
         if compressor.quantizes:
-            table = compressor.table
-            self.levels = state_variable(codec.float32_levels(table), name=f"aq_levels_{name}")
-            self.table_id = state_variable(table_id_bytes(table), name=f"aq_table_{name}")
-            compressor.add_table_listener(self._on_table)
+            sources = (sorted(self.dqsgd.widths.items()) if self.dqsgd is not None
+                       else [(compressor.table.bits, compressor)])
+            for bits, source in sources:
+                suffix = f"_b{bits}" if self.dqsgd is not None else ""
+                table = source.table
+                width = WidthState(
+                    table.bits, source,
+                    state_variable(codec.float32_levels(table), name=f"aq_levels_{name}{suffix}"),
+                    state_variable(table_id_bytes(table), name=f"aq_table_{name}{suffix}"))
+                source.add_table_listener(width.on_table)
+                self.widths.append(width)
+            if self.dqsgd is None:
+                self.levels, self.table_id = self.widths[0].levels, self.widths[0].table_id
+            else:
+                self.width_index = state_variable(np.int32(self._width_position()),
+                                                  name=f"aq_width_{name}")
         self.recording = state_variable(bool(compressor.recording), name=f"aq_recording_{name}")
         self.step = state_variable(np.int64(compressor.step), name=f"aq_step_{name}")
+        #: ErrorFeedback memory variables by bucket name (see :meth:`memory_variable`).
+        self.memory: dict[str, tf.Variable] = {}
+        #: In-graph resets of a non-finite memory (``reset_on_nonfinite``); logged by refit.
+        self.memory_resets = (state_variable(np.int64(0), name=f"aq_ef_resets_{name}")
+                              if self.error_feedback is not None else None)
+        self._resets_seen = 0
         with tf.init_scope(), tf.variable_creator_scope(_direct_creator):
             self.generator = tf.random.Generator.from_seed(
                 seed_for_rank(compressor.seed, _rank()))
-        self._synced_step = compressor.step
+        self._synced = self._sync_key()
 
     # ------------------------------------------------------------------ eager updates
-    def _on_table(self, table: LevelTable) -> None:
-        """Table listener: copy a new (refitted or loaded) table into the variables."""
-        with tf.init_scope():
-            self.levels.assign(codec.float32_levels(table))
-            self.table_id.assign(table_id_bytes(table))
+    def _width_position(self) -> int:
+        """Position of the DQSGD compressor's current width in :attr:`widths`."""
+        dqsgd = self.dqsgd
+        assert dqsgd is not None
+        keys = sorted(dqsgd.widths)
+        if dqsgd.bits not in keys:
+            raise ValueError(f"{dqsgd.name}: bits={dqsgd.bits} is not one of its widths {keys}")
+        bits = dqsgd.bits
+        return keys.index(bits)
+
+    def _sync_key(self) -> tuple[int, int]:
+        return (self.compressor.step, self.dqsgd.bits if self.dqsgd is not None else -1)
 
     def sync(self) -> None:
-        """Copy the compressor's step and recording flag into the variables (eager)."""
+        """Copy the compressor's step, recording flag and (DQSGD) width into the variables and
+        re-install error-feedback memory the core replaced (eager)."""
         with tf.init_scope():
             self.recording.assign(bool(self.compressor.recording))
             self.step.assign(np.int64(self.compressor.step))
-        self._synced_step = self.compressor.step
+            if self.width_index is not None:
+                self.width_index.assign(np.int32(self._width_position()))
+            self._sync_memory()
+        self._synced = self._sync_key()
 
     @property
     def in_sync(self) -> bool:
-        return self._synced_step == self.compressor.step
+        """Whether the variables hold the compressor's step and width (no change behind
+        :meth:`sync`'s back, e.g. a ``load_state_dict`` between steps)."""
+        return self._synced == self._sync_key()
+
+    # ------------------------------------------------------------------ error feedback
+    def memory_variable(self, key: str, numel: int) -> tf.Variable:
+        """The float32 [numel] memory variable of the fused bucket ``key`` (ErrorFeedback).
+
+        Created on first use (eagerly, also while a graph traces) from the memory the compressor
+        holds for ``key`` — a loaded checkpoint's, if its shape matches (the core's
+        ``_memory_for`` decides and warns) — else zeros, and installed as
+        ``compressor.memory[key]``."""
+        ef = self.error_feedback
+        if ef is None:
+            raise TypeError(f"{self.compressor.name} keeps no error-feedback memory")
+        with self.lock:
+            var = self.memory.get(key)
+            if var is not None:
+                if int(var.shape.num_elements()) != numel:
+                    raise ValueError(f"{ef.name}: bucket {key!r} has {numel} elements, its error "
+                                     f"memory {int(var.shape.num_elements())}")
+                return var
+            var = state_variable(self._initial_memory(key, numel), dtype=tf.float32,
+                                 name=f"aq_ef_{_var_name(key)}")
+            self.memory[key] = var
+            ef.memory[key] = var
+            return var
+
+    def _initial_memory(self, key: str, numel: int) -> np.ndarray:
+        """The value a memory variable starts from: what the compressor holds for ``key`` (a
+        loaded checkpoint's, when its shape matches: the core's ``_memory_for`` decides and
+        warns), else zeros."""
+        ef = self.error_feedback
+        assert ef is not None
+        zeros = np.zeros(numel, np.float32)
+        saved = ef._memory_for(key, zeros)
+        return zeros if saved is None else np.asarray(saved, dtype=np.float32).reshape(numel)
+
+    def _sync_memory(self) -> None:
+        """Re-install memory variables that ``compressor.memory`` no longer holds (eager)."""
+        ef = self.error_feedback
+        if ef is None:
+            return
+        with self.lock:
+            items = list(self.memory.items())
+        for key, var in items:
+            if ef.memory.get(key) is var:
+                continue
+            var.assign(self._initial_memory(key, int(var.shape.num_elements())))
+            ef.memory[key] = var
+
+    def take_memory_resets(self) -> int:
+        """In-graph memory resets since the last call (eager)."""
+        if self.memory_resets is None:
+            return 0
+        total = int(self.memory_resets.numpy())
+        new, self._resets_seen = total - self._resets_seen, total
+        return new
 
     # ------------------------------------------------------------------ graph helpers
     def header(self, numel: int) -> tf.Tensor:
-        """The 32 header bytes of a payload of ``numel`` elements for the *current* table."""
+        """The 32 header bytes of a payload of ``numel`` elements for the *current* table of a
+        fixed-width compressor."""
+        if len(self.widths) != 1:
+            raise TypeError(f"{self.compressor.name} has {len(self.widths)} code widths; use "
+                            "its WidthState.header")
         comp = self.compressor
-        const = np.frombuffer(codec.make_header(numel, comp.table, comp.bucket_size, comp.norm),
-                              dtype=np.uint8)
-        return tf.concat([tf.constant(const[:TABLE_ID_SLICE.start]), self.table_id.read_value(),
-                          tf.constant(const[TABLE_ID_SLICE.stop:])], axis=0)
+        return self.widths[0].header(numel, comp.bucket_size, comp.norm)
 
     def new_slot(self, numel: int, name: str) -> StatsSlot | None:
         """A statistics slot for a call site quantizing ``numel`` elements (None: a compressor
@@ -285,26 +428,30 @@ def _rank() -> int:
         return 0
 
 
-def check_supported(compressor: Compressor) -> None:
-    """Refuse compressors whose per-step state the TensorFlow integration does not carry yet."""
-    from horovod_aq.dqsgd import DQSGD
-    from horovod_aq.error_feedback import ErrorFeedback
+def check_supported(compressor: Compressor, *, stock: bool = False) -> None:
+    """Refuse what a TensorFlow way in cannot carry.
 
-    if isinstance(compressor, (DQSGD, ErrorFeedback)):
+    The packed exchange carries every horovod_aq compressor (DQSGD widths and ErrorFeedback
+    memory included). Horovod's stock ``compression=`` path (``stock=True``) cannot carry DQSGD:
+    its width must follow the *aggregated* gradient in a fixed order, which Horovod's
+    per-tensor graph does not give (ErrorFeedback refuses the stock path by itself)."""
+    from horovod_aq.dqsgd import DQSGD
+
+    if stock and isinstance(compressor, DQSGD):
         raise NotImplementedError(
-            f"{type(compressor).__name__} is not supported with TensorFlow yet (dynamic bit widths "
-            "change the traced payload shapes; error-feedback memory needs per-bucket graph "
-            "variables); use it with horovod_aq.torch.DistributedOptimizer, or a fixed-width "
-            "compressor with TensorFlow")
+            f"{compressor.name}: DQSGD is not supported on Horovod's stock compression= path in "
+            "TensorFlow (its bit width derives from the aggregated gradient, which that path does "
+            "not see in a rank-identical order); use horovod_aq.tensorflow.DistributedGradientTape "
+            "or horovod_aq.keras.DistributedOptimizer (packed exchange)")
 
 
 def tf_state(compressor: Compressor) -> TFState:
     """The compressor's :class:`TFState` (created on first use; restores a saved random stream)."""
     state = compressor._fw_state.get("tensorflow")
     if state is None:
-        check_supported(compressor)
         state = TFState(compressor)
-        pending = getattr(compressor, "_pending_framework_state", {}).pop("tensorflow", None)
+        owner = getattr(compressor, "inner", compressor)  # ErrorFeedback: the inner's state
+        pending = getattr(owner, "_pending_framework_state", {}).pop("tensorflow", None)
         if pending is not None:
             state.load_state_dict(pending)
         compressor._fw_state["tensorflow"] = state

@@ -15,13 +15,21 @@ graphs wrote per-bucket statistics into slots; here they are handed to
 process set, fits, broadcasts the table (mpi4py under MPI, Horovod under Gloo) and advances the
 step. The table listener assigns the new levels to the variables the graphs read, and the
 recording flag / step variables are set for the next step — no retrace.
+
+DQSGD: before ``end_step`` the in-graph sum of squares of the decoded aggregate (bitwise the same
+on every rank) is handed to ``observe_aggregate``; the core's rule picks the next width, which
+``sync`` copies into the width variable the graphs switch on. ErrorFeedback: the memory is
+updated in-graph; here in-graph resets of a non-finite memory are logged, and the telemetry
+records ``ef_memory_norm``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import horovod.tensorflow as hvd
+import numpy as np
 import tensorflow as tf
 
 from horovod_aq.compressors import Compressor
@@ -50,25 +58,46 @@ def refit(compressor: Compressor, *, process_set: hvd.ProcessSet | None = None) 
         return False
     state = tf_state(compressor)
     if not state.in_sync:
-        logger.warning("%s: its step changed outside refit() (load_state_dict?); the recording "
-                       "flag of the step that just ran may have been stale", compressor.name)
+        logger.warning("%s: its step or width changed outside refit() (a plain load_state_dict "
+                       "between steps?); the recording flag, width or error-feedback memory of "
+                       "the step that just ran may have been stale. Restore checkpoints with "
+                       "horovod_aq.tensorflow.checkpoint.load_state_dict, which updates the "
+                       "variables at once", compressor.name)
     with state.lock:
         exchanges = [e for e in state.exchanges.values()
                      if e.process_set.process_set_id == process_set.process_set_id]
     ran = [(e, e.take_calls()) for e in exchanges]
     step = compressor.step
+    bits = compressor.table.bits if compressor.quantizes else compressor.bits  # this step's
     if process_set.size() > 1:
+        if state.dqsgd is not None:
+            _observe_aggregates(compressor, exchanges)
         if compressor.recording:
             state.flush_stats()
         refitted = compressor.end_step(comm_for(process_set))
     else:
         compressor.step += 1
         refitted = False
+    resets = state.take_memory_resets()
+    if resets:
+        logger.warning("%s: the error memory of %d bucket(s) became non-finite; reset to zero",
+                       compressor.name, resets)
     state.sync()
     for exchange, (calls, skipped) in ran:
         if calls:
-            exchange.record_step(step, refitted, calls, skipped)
+            exchange.record_step(step, refitted, calls, skipped, bits=bits)
     return refitted
+
+
+def _observe_aggregates(compressor: Compressor, exchanges: list) -> None:
+    """Hand DQSGD this step's aggregated-gradient norm, as the in-graph float64 Σ‖·‖² of every
+    exchange (in creation order, the same on every rank). ``observe_aggregate`` takes a part of
+    the aggregate; the graph already reduced the decoded buckets to their sum of squares S, and
+    the one-element vector [√S] is a part with that norm — a rank-identical input, since S is."""
+    for exchange in exchanges:
+        total = exchange.take_aggregate()
+        if total > 0.0:
+            compressor.observe_aggregate(np.array([math.sqrt(total)], dtype=np.float64))
 
 
 #: The name the packed integrations use for the same thing.

@@ -22,7 +22,10 @@ Everything below is graph code, traced once per gradient by Horovod:
 * non-finite gradients: asserted on this rank (``nonfinite="raise"``), or sent as NaN so that
   every rank's sum is NaN and every rank can skip the step (``nonfinite="skip"``).
 
-FP16 casts only; NoCompression never gets here (its ``compress`` is the identity).
+FP16 casts only; NoCompression never gets here (its ``compress`` is the identity). DQSGD is
+refused here (its width follows the aggregated gradient, which this path does not see in a
+rank-identical order) and ErrorFeedback refuses the stock hook by itself; both work on the packed
+exchange.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import tensorflow as tf
 
 from horovod_aq.compressors import Compressor
 from horovod_aq.tensorflow import kernels
-from horovod_aq.tensorflow.state import tf_state
+from horovod_aq.tensorflow.state import check_supported, tf_state
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ def compress(compressor: Compressor, tensor: Any) -> tuple[Any, Any]:
         return tf.cast(tensor, tf.float16), tensor.dtype
     if not compressor.quantizes:
         return tensor, None
+    check_supported(compressor, stock=True)
     if tensor.shape.num_elements() is None:
         raise ValueError(f"{compressor.name}: the stock compression= path needs gradients with "
                          f"static shapes, got {tensor.shape}")

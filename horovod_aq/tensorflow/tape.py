@@ -23,6 +23,13 @@ and telemetry persist across steps and traces. ``refit(comp)`` must be called on
 eagerly, on every rank (``tape.end_step()`` does the same when the tape object is at hand, i.e.
 in eager loops). Refits change only variables: the traced step is not retraced.
 
+Every horovod_aq compressor works here, also :class:`~horovod_aq.DQSGD` (the width changes at
+``refit`` through a variable the graph switches on: no retrace) and
+:class:`~horovod_aq.ErrorFeedback` / ``ECQ`` (per-bucket memory variables updated in-graph);
+checkpoint those with :func:`horovod_aq.tensorflow.checkpoint.state_dict` (collective: every
+rank's memory) and :func:`~horovod_aq.tensorflow.checkpoint.load_state_dict`, or
+``tape.exchange.state_dict()``.
+
 Horovod's own tape keys sources by ``Variable.ref()``, which Keras 3 variables lack (horovod
 #4290); this one names sources by their Keras ``path`` / ``name`` and position instead. The class
 is built at run time like Horovod's (base = the wrapped tape's class, so ``isinstance`` holds),
