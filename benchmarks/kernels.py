@@ -37,7 +37,8 @@ SIZES = {"64K": 1 << 16, "1M": 1 << 20, "16M": 1 << 24, "64M": 1 << 26}
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small sizes for CI (64K, 1M; 2 and 8 bits)")
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes for CI (64K, 1M; 2 and 8 bits)")
     p.add_argument("--sizes", default=None, help="comma list from " + ",".join(SIZES))
     p.add_argument("--bits", default=None, help="comma list, default 2,3,4,8")
     p.add_argument("--frameworks", default="numpy,torch,tf")

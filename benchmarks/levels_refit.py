@@ -16,7 +16,8 @@ Quality columns: B·V on the n²-weighted mixture (the TN model's own estimate o
 E‖Q(g) − g‖²/‖g‖²), and the exact expected error E‖Q(g) − g‖²/‖g‖² =
 Σ_b n_b² Σ_i σ²(r_i) / Σ_b n_b² computed on the gradient itself (§3).
 
-Usage:  python3 benchmarks/levels_refit.py [--repeats 7] [--output benchmarks/results/levels_refit.md]
+Usage:  python3 benchmarks/levels_refit.py [--repeats 7]
+            [--output benchmarks/results/levels_refit.md]
 """
 
 from __future__ import annotations
@@ -173,7 +174,10 @@ def main() -> int:
             f"- machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} CPUs, load average at the end {', '.join(f'{x:.2f}' for x in load)}"
         ),
-        f"- versions: Python {platform.python_version()}, numpy {np.__version__}, scipy {scipy.__version__}",
+        (
+            f"- versions: Python {platform.python_version()}, numpy {np.__version__}, "
+            f"scipy {scipy.__version__}"
+        ),
         (
             f"- workload: {args.buckets} buckets of {args.bucket_size} coordinates (synthetic, "
             f"seed 0); refit = merge stats + build model + fit; median of {args.repeats} runs "

@@ -27,11 +27,11 @@ from horovod_aq.launcher import run_local  # noqa: E402
 
 
 def soak(steps: int, refit_every: int, sample_every: int) -> dict:
+    import horovod.torch as hvd
     import psutil
     import torch
     import torch.nn.functional as F
 
-    import horovod.torch as hvd
     import horovod_aq
     import horovod_aq.torch as aqt
 

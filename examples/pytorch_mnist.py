@@ -16,12 +16,11 @@ import os
 import sys
 import time
 
+import horovod.torch as hvd
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import horovod.torch as hvd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (examples/common.py: flags, compressor factory, reports, plots)

@@ -22,12 +22,11 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import horovod.tensorflow as hvd  # noqa: E402
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import horovod_aq.tensorflow as aqtf  # noqa: E402  (before Horovod's init: mpi4py under MPI)
-import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
-
-import horovod.tensorflow as hvd  # noqa: E402
 from horovod_aq.datasets import load_mnist_5k  # noqa: E402
 from horovod_aq.keras import broadcast_variables  # noqa: E402
 

@@ -37,9 +37,9 @@ def _version(module: str) -> str | None:
 
 def selftest_packed_torch() -> dict:
     """Inside a rank: one packed ALQ exchange and one stock-path step; report what came out."""
+    import horovod.torch as hvd
     import torch
 
-    import horovod.torch as hvd
     import horovod_aq
     import horovod_aq.torch as aqt
     from horovod_aq import codec
@@ -65,9 +65,9 @@ def selftest_packed_torch() -> dict:
 def selftest_packed_tf() -> dict:
     """Inside a rank: the TensorFlow packed tape on a tiny variable."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import horovod.tensorflow as hvd
     import tensorflow as tf
 
-    import horovod.tensorflow as hvd
     import horovod_aq
     import horovod_aq.tensorflow as aqtf
 
@@ -190,7 +190,8 @@ def levels(args: argparse.Namespace) -> int:
         comp.end_step(LocalComm())
     B = comp.bucket_size
     table = comp.table
-    q = codec.quantize(grad.astype(np.float32), table, bucket_size=B, norm=comp.norm, seed=args.seed)
+    q = codec.quantize(grad.astype(np.float32), table, bucket_size=B, norm=comp.norm,
+                       seed=args.seed)
     measured = float(np.sum((q - grad) ** 2) / np.sum(grad ** 2))
     print(f"{comp!r}")
     print(f"source: {args.dump or args.synthetic + f' ({args.numel} coordinates)'}")
@@ -200,7 +201,8 @@ def levels(args: argparse.Namespace) -> int:
     stats = horovod_aq.levels.bucket_stats(grad, B)
     if len(stats):
         dist = stats.mixture()
-        print(f"model (truncated-normal mixture): B*V = {B * expected_variance(table.levels, dist):.4g}, "
+        print(f"model (truncated-normal mixture): "
+              f"B*V = {B * expected_variance(table.levels, dist):.4g}, "
               f"entropy {entropy(table.levels, dist):.3f} bits, Huffman "
               f"{huffman_expected_length(table.levels, dist):.3f} bits/coordinate")
     if args.plot:
@@ -224,7 +226,8 @@ def _repo_path(*parts: str) -> str:
 def bench(args: argparse.Namespace) -> int:
     rc = 0
     for script in ("kernels.py", "levels_refit.py"):
-        cmd = [sys.executable, _repo_path("benchmarks", script)] + (["--quick"] if args.quick else [])
+        cmd = ([sys.executable, _repo_path("benchmarks", script)]
+               + (["--quick"] if args.quick else []))
         print("$ " + " ".join(cmd), flush=True)
         rc |= subprocess.call(cmd)
     return rc

@@ -337,7 +337,8 @@ def parse_header(buf: Any) -> Header:
     if not 1 <= bits <= MAX_BITS:
         raise PayloadError(f"payload header has bits {bits}, outside 1..{MAX_BITS}")
     if norm not in NORM_NAMES:
-        raise PayloadError(f"payload header has unknown norm code {norm}; known: {dict(NORM_NAMES)}")
+        raise PayloadError(f"payload header has unknown norm code {norm}; "
+                           f"known: {dict(NORM_NAMES)}")
     if flags not in (0, FLAG_NONFINITE) or (reserved != 0 and flags != FLAG_NONFINITE):
         raise PayloadError(
             f"payload header has reserved fields set (flags {flags}, reserved {reserved}); it was "
@@ -699,6 +700,38 @@ def decode(
     return _read_payload(data, header, table).astype(dtype, copy=False)
 
 
+def check_rows(
+    headers: list[Header],
+    table: LevelTable,
+    size: int,
+    *,
+    numel: int | None = None,
+    bucket_size: int | None = None,
+    norm: str | None = None,
+    name_rank: bool = True,
+) -> Header:
+    """Check the headers of the P rows (``size`` bytes each) of a gathered buffer, in rank order.
+
+    Settings left as None are taken from row 0; every row must match them, ``table`` and the
+    row size (``check_header``, ``_check_size``). With ``name_rank`` an error's message starts
+    with "rank r:" and the error gets a ``rank`` attribute. Returns row 0's header.
+    """
+    first = headers[0]
+    numel = first.numel if numel is None else numel
+    bucket_size = first.bucket_size if bucket_size is None else bucket_size
+    norm = first.norm if norm is None else norm
+    for rank, header in enumerate(headers):
+        try:
+            check_header(header, table, numel=numel, bucket_size=bucket_size, norm=norm)
+            _check_size(header, size)
+        except (PayloadError, NonFiniteGradientError) as err:
+            if name_rank:
+                err.args = (f"rank {rank}: {err}",) + err.args[1:]
+                err.rank = rank
+            raise
+    return first
+
+
 def decode_average(
     payloads: Any,
     levels: LevelTable | Any,
@@ -724,18 +757,8 @@ def decode_average(
             f"and shape {rows.shape}"
         )
     headers = [parse_header(row) for row in rows]
-    first = headers[0]
-    numel = first.numel if numel is None else numel
-    bucket_size = first.bucket_size if bucket_size is None else bucket_size
-    norm = first.norm if norm is None else norm
-    for rank, header in enumerate(headers):
-        try:
-            check_header(header, table, numel=numel, bucket_size=bucket_size, norm=norm)
-            _check_size(header, rows.shape[1])
-        except (PayloadError, NonFiniteGradientError) as err:
-            err.args = (f"rank {rank}: {err}",) + err.args[1:]
-            err.rank = rank
-            raise
+    first = check_rows(headers, table, rows.shape[1], numel=numel, bucket_size=bucket_size,
+                       norm=norm)
     acc = _read_payload(rows[0], first, table)
     for rank in range(1, rows.shape[0]):
         acc = acc + _read_payload(rows[rank], headers[rank], table)

@@ -165,7 +165,8 @@ class Compressor:
         """Install a (broadcast) table; framework state holding level copies is told."""
         if table.num_levels != self.table.num_levels:
             raise ValueError(
-                f"{self.name}: new table has {table.num_levels} levels, expected {self.table.num_levels}"
+                f"{self.name}: new table has {table.num_levels} levels, "
+                f"expected {self.table.num_levels}"
             )
         self._table = table
         for listener in list(self._listeners):
@@ -196,7 +197,8 @@ class Compressor:
                              "(kernels.normalized_histogram) to record_stats")
         new = BucketStats.from_buckets(norms, means, stds, self.bucket_size, top_k=self.top_k,
                                        histogram=histogram if self.wants_histogram else None)
-        self._stats = new if self._stats is None else BucketStats.merge([self._stats, new], self.top_k)
+        self._stats = (new if self._stats is None
+                       else BucketStats.merge([self._stats, new], self.top_k))
 
     def observe_aggregate(self, tensor: Any) -> None:
         """See a part of this step's averaged gradient (identical on every rank). Integrations

@@ -55,7 +55,8 @@ class DQSGD(Compressor):
             target_bits = float(bits)
         if levels not in METHODS or levels in ("none", "fp16", "terngrad"):
             raise ValueError(f"levels must name a multi-width family, one of "
-                             f"{sorted(set(METHODS) - {'none', 'fp16', 'terngrad'})}; got {levels!r}")
+                             f"{sorted(set(METHODS) - {'none', 'fp16', 'terngrad'})}; "
+                             f"got {levels!r}")
         self.rule = DQSGDRule(target_bits=target_bits, budget=budget, horizon=horizon,
                               min_bits=min_bits, max_bits=max_bits, window=window, alpha=alpha,
                               warmup_bits=warmup_bits)

@@ -1,4 +1,6 @@
-"""ECQ-SGD error compensation around any quantizer (arXiv 1806.08054; ``dynamic_and_error_feedback.md`` §2).
+"""ECQ-SGD error compensation around any quantizer.
+
+Spec: ``dynamic_and_error_feedback.md`` §2 (paper arXiv 1806.08054).
 
 Node p keeps an error memory h_p (h_p = 0 at the start). At each step:
 
@@ -228,7 +230,8 @@ class ErrorFeedback(Compressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state.get("alpha"), state.get("beta")) != (self.alpha, self.beta):
-            raise ValueError(f"state_dict has alpha={state.get('alpha')}, beta={state.get('beta')}; "
+            raise ValueError(f"state_dict has alpha={state.get('alpha')}, "
+                             f"beta={state.get('beta')}; "
                              f"this ErrorFeedback has alpha={self.alpha}, beta={self.beta}")
         self.inner.load_state_dict(state["inner"])
         self.memory.clear()
@@ -257,7 +260,8 @@ def _like(x: Any, value: np.ndarray) -> Any:
     if module.startswith("torch"):
         import torch
 
-        return torch.from_numpy(np.ascontiguousarray(value)).to(device=x.device, dtype=torch.float32)
+        return torch.from_numpy(np.ascontiguousarray(value)).to(
+            device=x.device, dtype=torch.float32)
     if module.startswith("tensorflow"):
         import tensorflow as tf
 

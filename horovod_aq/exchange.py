@@ -78,9 +78,11 @@ def bytes_sent(mode: str, numel: int, bits: int, bucket_size: int, ranks: int) -
 
 
 def estimate_seconds(
-    mode: str, numel: int, bits: int, bucket_size: int, ranks: int, model: NetworkModel = NetworkModel()
+    mode: str, numel: int, bits: int, bucket_size: int, ranks: int,
+    model: NetworkModel = NetworkModel(),
 ) -> float:
-    """The model's step time for exchanging one bucket of ``numel`` coordinates (module docstring)."""
+    """The model's step time for exchanging one bucket of ``numel`` coordinates
+    (module docstring)."""
     p, n, c = ranks, numel, model.codec_cost
     if p <= 1:
         return 0.0

@@ -99,7 +99,8 @@ class LaunchResult:
             for f in failures:
                 parts.append(f"--- rank {f.rank}: {f.error}\n{f.traceback}")
             if any(f.error == NOT_REACHED for f in failures):
-                parts.append("--- end of the launch output:\n" + "".join(self.log.splitlines(True)[-40:]))
+                parts.append("--- end of the launch output:\n"
+                             + "".join(self.log.splitlines(True)[-40:]))
             raise AssertionError("\n".join(parts))
         return values
 
@@ -116,7 +117,8 @@ def _horovodrun() -> str:
     return found
 
 
-def _kill_tree(pid: int) -> None:
+def kill_tree(pid: int) -> None:
+    """Kill process ``pid`` and all its descendants (SIGKILL), and reap them."""
     try:
         import psutil
     except ImportError:  # pragma: no cover - psutil ships with Horovod
@@ -192,7 +194,7 @@ def run_local(
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _kill_tree(proc.pid)
+                kill_tree(proc.pid)
                 proc.wait()
                 raise LaunchError(
                     f"{np}-rank {controller} launch exceeded {timeout:.0f}s and was killed; "

@@ -34,7 +34,8 @@ class RefitSchedule:
         if any(s < 0 for s in steps):
             raise ValueError(f"refit steps must be >= 0, got {self.steps}")
         if self.every is not None and int(self.every) <= 0:
-            raise ValueError(f"refit period 'every' must be a positive integer or None, got {self.every}")
+            raise ValueError(f"refit period 'every' must be a positive integer or None, "
+                             f"got {self.every}")
         object.__setattr__(self, "steps", steps)
         object.__setattr__(self, "every", None if self.every is None else int(self.every))
 
@@ -53,7 +54,8 @@ class RefitSchedule:
         try:
             values = [int(p) for p in parts]
         except ValueError:
-            raise ValueError(f"refit schedule must be comma-separated integers, got {text!r}") from None
+            raise ValueError(f"refit schedule must be comma-separated integers, "
+                             f"got {text!r}") from None
         if len(values) == 1:
             return cls(steps=(), every=values[0] or None)
         return cls(steps=tuple(values[:-1]), every=values[-1] or None)
@@ -110,7 +112,8 @@ class DQSGDRule:
 
     def __post_init__(self) -> None:
         if not (1 <= self.min_bits <= self.max_bits <= 8):
-            raise ValueError(f"need 1 <= min_bits <= max_bits <= 8, got {self.min_bits}, {self.max_bits}")
+            raise ValueError(f"need 1 <= min_bits <= max_bits <= 8, "
+                             f"got {self.min_bits}, {self.max_bits}")
         if self.budget is not None:
             if not self.horizon or self.horizon < 1:
                 raise ValueError("budget mode needs horizon= (the number of steps it covers)")

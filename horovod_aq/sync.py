@@ -139,7 +139,8 @@ class ConfigMismatchError(ValueError):
 
 def handshake_vector(fingerprint: np.ndarray, layout: int, ranks: int) -> np.ndarray:
     """What each rank contributes to the first-exchange agreement check (int64)."""
-    return np.concatenate([np.asarray(fingerprint, dtype=np.int64), [layout, ranks]]).astype(np.int64)
+    return np.concatenate([np.asarray(fingerprint, dtype=np.int64),
+                           [layout, ranks]]).astype(np.int64)
 
 
 def check_handshake(gathered: np.ndarray, describe: Callable[[np.ndarray], str]) -> None:

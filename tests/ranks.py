@@ -7,9 +7,9 @@ import os
 
 def init_torch():
     """Import torch + horovod.torch with one thread, init Horovod; return (torch, hvd)."""
+    import horovod.torch as hvd
     import torch
 
-    import horovod.torch as hvd
     import horovod_aq.torch  # noqa: F401  (lets mpi4py initialize MPI first under mpirun)
 
     torch.set_num_threads(1)
@@ -18,11 +18,11 @@ def init_torch():
 
 
 def init_tf():
-    """Import TensorFlow + horovod.tensorflow with one thread each, init Horovod; return (tf, hvd)."""
+    """Import TensorFlow + horovod.tensorflow, one thread each, init Horovod; return (tf, hvd)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import horovod.tensorflow as hvd
     import tensorflow as tf
 
-    import horovod.tensorflow as hvd
     from horovod_aq import mpi
 
     mpi.preinit(horovod_initialized=hvd.is_initialized())
@@ -53,7 +53,8 @@ class EncodeRecorder:
     """Record every payload the packed torch optimizer encodes, with its bucket and phase.
 
     Phases: "submit" (allgather payload, or one of the P two-phase chunks in order) and "reencode"
-    (the two-phase averaged chunk). Entries are (bucket name, phase, input ndarray, payload ndarray).
+    (the two-phase averaged chunk). Entries are (bucket name, phase, input ndarray,
+    payload ndarray).
     """
 
     def __init__(self):

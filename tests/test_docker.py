@@ -124,7 +124,8 @@ def excluded(rel: str, patterns: list[str]) -> bool:
 
 
 def _agree(found: str, pinned: str) -> bool:
-    """Versions agree when one is the other or a leading part of it (2.13 ~ 2.13.0, 3.11.7 ~ 3.11)."""
+    """Versions agree when one is the other or a leading part of it
+    (2.13 ~ 2.13.0, 3.11.7 ~ 3.11)."""
     a, b = found.split("."), pinned.split(".")
     n = min(len(a), len(b))
     return a[:n] == b[:n]
@@ -163,7 +164,8 @@ def disagreements(text: str, pins: dict[str, str]) -> list[str]:
     cu = pins["TORCH_CUDA_INDEX"].rstrip("/").rsplit("/", 1)[1]
     for m in re.finditer(r"\bcu\d{3}\b", text):
         if m.group(0) != cu:
-            bad.append(f"{m.group(0)!r} (versions.env: TORCH_CUDA_INDEX={pins['TORCH_CUDA_INDEX']})")
+            bad.append(f"{m.group(0)!r} "
+                       f"(versions.env: TORCH_CUDA_INDEX={pins['TORCH_CUDA_INDEX']})")
     # KEY=VALUE with a versions.env key (ARG defaults, ENV): must be the same value.
     for m in re.finditer(r"\b([A-Z][A-Z0-9_]*)=(\"[^\"]*\"|[^\s\"]+)", text):
         key, value = m.group(1), m.group(2).strip('"')
@@ -219,7 +221,8 @@ def test_copy_sources_exist_and_are_in_the_build_context(dockerfile):
             rel = os.path.normpath(src.rstrip("/") or ".")
             assert not rel.startswith(".."), f"{where}: outside the build context (repository root)"
             matches = sorted(ROOT.glob(rel)) if re.search(r"[*?\[]", rel) else [ROOT / rel]
-            assert matches and all(m.exists() for m in matches), f"{where}: no such file in the repo"
+            assert matches and all(m.exists() for m in matches), \
+                f"{where}: no such file in the repo"
             for m in matches:
                 if rel != ".":
                     assert not excluded(str(m.relative_to(ROOT)), patterns), \
@@ -232,8 +235,9 @@ def test_installs_with_the_ci_setup_script_after_sourcing_versions_env(dockerfil
     runs = setup_runs(dockerfile)
     assert len(runs) == 1, f"{dockerfile.name} should run {SETUP_SH} exactly once, found {runs}"
     line, run = runs[0]
-    assert re.search(r"(?:^|&&|;|\s)(?:\.|source)\s+scripts/versions\.env\s*&&.*\bscripts/setup\.sh",
-                     run), f"{dockerfile.name}:{line}: source scripts/versions.env, then run setup.sh"
+    assert re.search(r"(?:^|&&|;|\s)(?:\.|source)\s+scripts/versions\.env\s*&&"
+                     r".*\bscripts/setup\.sh", run), \
+        f"{dockerfile.name}:{line}: source scripts/versions.env, then run setup.sh"
     assert re.search(rf"scripts/setup\.sh\s[^&;]*--venv\s+{VENV}\b", run)
     assert re.search(r'PYTHON="?python\$\{?PYTHON_VERSION\b', run), \
         f"{dockerfile.name}:{line}: build the venv with python$PYTHON_VERSION from versions.env"
@@ -259,7 +263,8 @@ def test_installs_with_the_ci_setup_script_after_sourcing_versions_env(dockerfil
                 f"{dockerfile.name}:{ln}: {pattern!r} repeats what {SETUP_SH} does"
 
     env = " ".join(args for _, kw, args in instructions(dockerfile) if kw == "ENV")
-    assert re.search(rf"\bPATH={VENV}/bin:", env), f"{dockerfile.name}: put {VENV}/bin first on PATH"
+    assert re.search(rf"\bPATH={VENV}/bin:", env), \
+        f"{dockerfile.name}: put {VENV}/bin first on PATH"
 
 
 def test_ci_runs_the_same_setup_script():
@@ -301,7 +306,8 @@ def test_hadolint_finds_no_errors_or_warnings(dockerfile, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HADOLINT_")}
     proc = subprocess.run([exe, "--no-fail", "--no-color", "-f", "json", "-c", str(config),
                            str(dockerfile.relative_to(ROOT))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert proc.returncode == 0, proc.stderr
     findings = json.loads(proc.stdout or "[]")
     serious = [f"{f['file']}:{f['line']} {f['code']} {f['level']}: {f['message']}"

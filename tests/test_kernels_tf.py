@@ -175,7 +175,8 @@ def test_graph_errors_name_the_field():
     bad = gradient(100)
     bad[7] = np.nan
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"non-finite values:\] \[1\] \[of\] \[100\].*first at flat index\] \[7\]"):
+                       match=r"non-finite values:\] \[1\] \[of\] \[100\]"
+                             r".*first at flat index\] \[7\]"):
         encode(tf.constant(bad))
     with pytest.raises(tf.errors.InvalidArgumentError, match="header_u8 has another numel"):
         tf.function(lambda x: tk.encode_with(x, levels, header, bits=3, bucket_size=16, seed=1))(
@@ -194,7 +195,8 @@ def test_graph_errors_name_the_field():
     with pytest.raises(tf.errors.InvalidArgumentError, match="payload magic differs"):
         decode(wrong)
     wrong = codec.encode(gradient(100), table, bucket_size=16, norm="linf", seed=0)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="payload norm differs.*has\\] \\[1\\]"):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="payload norm differs.*has\\] \\[1\\]"):
         decode(wrong)
     with pytest.raises(PayloadError, match=f"truncated: {size - 1} bytes"):
         tf.function(lambda p: tk.decode_with(p, levels, header, numel=100, bits=3,

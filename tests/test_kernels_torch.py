@@ -81,7 +81,8 @@ def test_close_levels_fall_back_to_searchsorted():
     x = gradient(3000)
     u = np.random.default_rng(1).random(x.size, dtype=np.float32)
     assert np.array_equal(
-        tk.encode(torch.from_numpy(x), CLOSE, bucket_size=100, uniforms=torch.from_numpy(u)).numpy(),
+        tk.encode(torch.from_numpy(x), CLOSE, bucket_size=100,
+                  uniforms=torch.from_numpy(u)).numpy(),
         codec.encode(x, CLOSE, bucket_size=100, uniforms=u))
 
 
@@ -155,7 +156,8 @@ def test_decode_average_matches_codec_and_handles_unaligned_rows():
     table = uniform_table(3)
     n, bucket, world = 3, 2, 5  # size 32 + 8 + 2 = 42: rows start at unaligned offsets
     payloads = torch.stack([tk.encode(torch.from_numpy(gradient(n, seed=p)), table,
-                                      bucket_size=bucket, generator=torch.Generator().manual_seed(p))
+                                      bucket_size=bucket,
+                                      generator=torch.Generator().manual_seed(p))
                             for p in range(world)])
     assert payloads.shape == (world, 42)
     got = tk.decode_average(payloads, table)

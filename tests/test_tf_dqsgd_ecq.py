@@ -114,7 +114,8 @@ def dqsgd_in_function(exchange: str, steps: int = DQSGD_STEPS, **kwargs):
     t = holder["tape"]
     widths = sorted(comp.widths)
     return {"bits": bits, "tables": tables, "headers": headers, "norms": norms, "grads": grads,
-            "entries": entries, "buckets": t.buckets, "names": [f"{i}:{k}" for i, k in enumerate(v)],
+            "entries": entries, "buckets": t.buckets,
+            "names": [f"{i}:{k}" for i, k in enumerate(v)],
             "telemetry_bits": [r.bits for r in t.telemetry.history],
             "payload_bytes": [r.payload_bytes for r in t.telemetry.history],
             "traces": train_step.experimental_get_tracing_count(),

@@ -342,7 +342,10 @@ def _mnist(hvd):
 
     train, test = load_mnist_5k(seed=0)
     shard = train.shard(hvd.rank(), hvd.size())
-    flat = lambda s: s.images.reshape(len(s.labels), -1)
+
+    def flat(s):
+        return s.images.reshape(len(s.labels), -1)
+
     return flat(shard), shard.labels, flat(test), test.labels
 
 
@@ -692,4 +695,4 @@ def test_alq_loss_within_5_percent_of_fp32(launch, pair):
     if launch.controller == "mpi":
         pytest.skip("one seed under MPI (a smoke run); the 5 % bound is on the 3-seed mean")
     reference, loss = _mean_losses(launch, pair)
-    assert abs(loss - reference) <= 0.05 * reference, (loss, reference)
+    assert loss <= 1.05 * reference, (loss, reference)   # ALQ may not be >5 % worse than fp32

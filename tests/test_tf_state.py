@@ -10,15 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import horovod_aq
 from horovod_aq import codec
+from horovod_aq.levels.stats import normalized_histogram
+from horovod_aq.levels.table import LevelTable
 
 tf = pytest.importorskip("tensorflow")
 pytest.importorskip("horovod.tensorflow")
 
-import horovod_aq
-from horovod_aq.levels.stats import normalized_histogram
-from horovod_aq.levels.table import LevelTable
-from horovod_aq.tensorflow.state import graph_bucket_stats, tf_state
+from horovod_aq.tensorflow.state import graph_bucket_stats, tf_state  # noqa: E402
 
 BUCKET = 64
 

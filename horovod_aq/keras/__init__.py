@@ -9,11 +9,11 @@ from horovod_aq._requirements import require
 
 require("keras", "tensorflow")
 require("tensorflow", "tensorflow")
-import horovod_aq.tensorflow  # noqa: F401  (mpi4py before Horovod under MPI)
+import horovod_aq.tensorflow  # noqa: E402, F401  (mpi4py before Horovod under MPI)
 
 require("horovod.tensorflow", "tensorflow")
 
-from horovod_aq.tensorflow.keras import (
+from horovod_aq.tensorflow.keras import (  # noqa: E402
     BroadcastGlobalVariablesCallback,
     DistributedOptimizer,
     MetricAverageCallback,

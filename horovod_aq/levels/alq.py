@@ -22,7 +22,8 @@ Acceleration (``accelerate=True``, default). Plain coordinate descent converges 
 and slowly when levels must travel far. After one plain sweep, damped Newton steps on the full
 stationarity system ∇V = 0 are interleaved, with the tridiagonal Hessian in closed form:
 
-    ∂V/∂ℓ_j = J′_j(ℓ_j),   ∂²V/∂ℓ_j² = (ℓ_{j+1} − ℓ_{j−1})·f(ℓ_j),   ∂²V/∂ℓ_j∂ℓ_{j+1} = −M0(ℓ_j, ℓ_{j+1}).
+    ∂V/∂ℓ_j = J′_j(ℓ_j),   ∂²V/∂ℓ_j² = (ℓ_{j+1} − ℓ_{j−1})·f(ℓ_j),
+    ∂²V/∂ℓ_j∂ℓ_{j+1} = −M0(ℓ_j, ℓ_{j+1}).
 
 A step solves (∇²V + λ·diag ∇²V)·s = −∇V (Levenberg–Marquardt: λ = 0 near a minimum, raised
 where the Hessian is indefinite), is shortened so that no interval loses more than half its

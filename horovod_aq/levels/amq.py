@@ -3,7 +3,8 @@
 Spec: ``quantizers.md`` §8 (paper arXiv 2010.12460). With s = 2^(b−1) − 1 the table E(p) has
 2^b levels, no zero, and p ∈ (0, 1). The objective is the full expected variance
 
-    V(p) = V(E(p); F) = ∫_0^{p^s} (p^{2s} − u²) dG + Σ_{j=0}^{s−1} ∫_{p^{j+1}}^{p^j} (p^j − u)(u − p^{j+1}) dG
+    V(p) = V(E(p); F) = ∫_0^{p^s} (p^{2s} − u²) dG
+                        + Σ_{j=0}^{s−1} ∫_{p^{j+1}}^{p^j} (p^j − u)(u − p^{j+1}) dG
 
 (G the law of |r|; evaluated here on F with the signed table, which is the same number).
 V(p) is multimodal (e.g. two local minima at 3 bits for TN(0, 1/128)), and p is a scalar whose

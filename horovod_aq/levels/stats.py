@@ -8,7 +8,8 @@ tail are skipped, as in the reference):
 Because Σ u_i² = 1, s_b² = (1 − B·m_b²)/(B − 1). The mixture of §5.3 uses the top-K buckets by
 norm; the single normal of ALQ-N/AMQ-N (§5.4) uses pooled sums over ALL nonzero full buckets:
 
-    count = Σ_b B,   sum_u = Σ_b Σ_i u_i = Σ_b B·m_b,   sum_sq_dev = Σ_b Σ_i (u_i − m_b)² = Σ_b (B − 1)·s_b².
+    count = Σ_b B,   sum_u = Σ_b Σ_i u_i = Σ_b B·m_b,
+    sum_sq_dev = Σ_b Σ_i (u_i − m_b)² = Σ_b (B − 1)·s_b².
 
 Multi-rank use (§5.2): every rank computes its ``BucketStats`` (or a framework kernel computes
 the per-bucket arrays and calls ``BucketStats.from_buckets``), packs it into the fixed-size vector

@@ -42,7 +42,8 @@ def validate_levels(levels: object) -> np.ndarray:
         raise ValueError("a level table must contain only finite values")
     if arr[0] != -1.0 or arr[-1] != 1.0:
         raise ValueError(
-            f"a level table must start at -1 and end at +1 exactly, got [{arr[0]!r}, …, {arr[-1]!r}]"
+            f"a level table must start at -1 and end at +1 exactly, "
+            f"got [{arr[0]!r}, …, {arr[-1]!r}]"
         )
     if not np.all(np.diff(arr) > 0):
         raise ValueError("a level table must be strictly increasing")
@@ -105,4 +106,5 @@ class LevelTable:
 
     def __repr__(self) -> str:
         vals = ", ".join(f"{v:.6g}" for v in self.levels)
-        return f"LevelTable(version={self.version}, bits={self.bits}, hash={self.hash:08x}, levels=[{vals}])"
+        return (f"LevelTable(version={self.version}, bits={self.bits}, hash={self.hash:08x}, "
+                f"levels=[{vals}])")

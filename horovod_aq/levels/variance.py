@@ -9,7 +9,8 @@ so that a bucket of B coordinates following F has E‖Q(v) − v‖²/‖v‖² 
 closed form (``distribution`` module docstring); no quadrature is involved. The symbol J sent
 for a coordinate has (§10)
 
-    P(J = j) = ∫_{ℓ_{j−1}}^{ℓ_j} (r − ℓ_{j−1})/(ℓ_j − ℓ_{j−1}) dF + ∫_{ℓ_j}^{ℓ_{j+1}} (ℓ_{j+1} − r)/(ℓ_{j+1} − ℓ_j) dF.
+    P(J = j) = ∫_{ℓ_{j−1}}^{ℓ_j} (r − ℓ_{j−1})/(ℓ_j − ℓ_{j−1}) dF
+               + ∫_{ℓ_j}^{ℓ_{j+1}} (ℓ_{j+1} − r)/(ℓ_{j+1} − ℓ_j) dF.
 
 Interval by interval, U_j = ∫_{ℓ_j}^{ℓ_{j+1}} (r − ℓ_j) dF / (ℓ_{j+1} − ℓ_j) is the probability
 of rounding up and M0_j − U_j that of rounding down, so P_j = U_{j−1} + (M0_j − U_j).

@@ -46,8 +46,8 @@ from horovod_aq import codec
 from horovod_aq.codec import HEADER_SIZE, NORM_BYTES, PayloadError
 from horovod_aq.levels.table import LevelTable
 
-__all__ = ["bucket_norms", "bucket_stats", "decode", "decode_average", "decode_average_with", "decode_with",
-           "encode", "encode_with", "header_tensor", "levels_tensor", "quantize"]
+__all__ = ["bucket_norms", "bucket_stats", "decode", "decode_average", "decode_average_with",
+           "decode_with", "encode", "encode_with", "header_tensor", "levels_tensor", "quantize"]
 
 if sys.byteorder != "little":  # pragma: no cover - tf.bitcast uses the host byte order
     raise ImportError("horovod_aq.tensorflow.kernels assumes a little-endian host")
@@ -203,7 +203,8 @@ def _encoder_header_check(header_u8: tf.Tensor, levels: tf.Tensor, n: int, bits:
                           bucket_size: int, norm: str) -> list:
     """Assert that the header tensor describes this encode and this levels tensor."""
     if header_u8.shape.rank != 1 or header_u8.shape[0] not in (None, HEADER_SIZE):
-        raise ValueError(f"header_u8 must be {HEADER_SIZE} uint8 bytes, got shape {header_u8.shape}")
+        raise ValueError(f"header_u8 must be {HEADER_SIZE} uint8 bytes, "
+                         f"got shape {header_u8.shape}")
     want = np.frombuffer(struct.pack(codec.HEADER_FORMAT, codec.MAGIC, codec.FORMAT_VERSION, bits,
                                      codec.NORM_CODES[norm], 0, 0, 0, 0, bucket_size, n, 0),
                          dtype=np.uint8)
@@ -556,19 +557,8 @@ def _eager_headers(rows: tf.Tensor, table, numel, bucket_size, norm) -> codec.He
     if rows.shape[1] < HEADER_SIZE:
         codec.parse_header(rows[0].numpy())  # raises "truncated"
     headers = [codec.parse_header(h) for h in rows[:, :HEADER_SIZE].numpy()]
-    first = headers[0]
-    numel = first.numel if numel is None else numel
-    bucket_size = first.bucket_size if bucket_size is None else bucket_size
-    norm = first.norm if norm is None else norm
-    for rank, header in enumerate(headers):
-        try:
-            codec.check_header(header, table, numel=numel, bucket_size=bucket_size, norm=norm)
-            codec._check_size(header, int(rows.shape[1]))
-        except PayloadError as err:
-            if len(headers) == 1:
-                raise
-            raise PayloadError(f"rank {rank}: {err}") from None
-    return first
+    return codec.check_rows(headers, table, int(rows.shape[1]), numel=numel,
+                            bucket_size=bucket_size, norm=norm, name_rank=len(headers) > 1)
 
 
 def _graph_settings(table, numel, bucket_size, norm) -> tuple[int, int, str]:

@@ -351,7 +351,8 @@ class PackedExchange:
         bits = comp.table.bits if comp.quantizes else comp.bits
         plans, small = plan_buckets(
             [names[i] for i in order], [numels[i] for i in order], [""] * len(order),
-            prefix=f"{self.prefix}.{len(self._plan_list)}", cap_numel=max(1, self.fusion_bytes // 4),
+            prefix=f"{self.prefix}.{len(self._plan_list)}",
+            cap_numel=max(1, self.fusion_bytes // 4),
             small_threshold=self.small_tensor_threshold, quantizes=comp.quantizes,
             exchange=self.exchange, bits=bits, bucket_size=comp.bucket_size, ranks=P,
             network=self.network)
@@ -583,8 +584,8 @@ class PackedExchange:
         comp, P, ps, st = self.compression, self.ranks, self.process_set, self._state
         ef = st.error_feedback
         B = comp.bucket_size if comp.quantizes else 1
-        first: dict[int, tf.Tensor] = {}     # bucket index -> phase-1 collective output
-        own: dict[int, tuple] = {}           # ECQ: bucket index -> (h var, h, g, payloads, parts, m)
+        first: dict[int, tf.Tensor] = {}    # bucket index -> phase-1 collective output
+        own: dict[int, tuple] = {}          # ECQ: bucket index -> (h var, h, g, payloads, parts, m)
         side_effects: list[tf.Tensor] = []
         skipped = [tf.constant(False)]
         nan = float("nan")

@@ -1,4 +1,4 @@
-"""Per-compressor TensorFlow state: the level table, random stream and refit statistics as variables.
+"""Per-compressor TensorFlow state: level table, random stream and refit statistics as variables.
 
 Traced graphs (Horovod's cached ``tf.function``, a user's ``@tf.function`` train step, Keras'
 train function) must see refits *without retracing*. So everything a graph reads that changes
@@ -408,7 +408,8 @@ class TFState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "generator" in state:
-            if int(state.get("algorithm", self.generator.algorithm)) != int(self.generator.algorithm):
+            if (int(state.get("algorithm", self.generator.algorithm))
+                    != int(self.generator.algorithm)):
                 raise ValueError("the saved TensorFlow random stream uses another RNG algorithm")
             with tf.init_scope():
                 self.generator.state.assign(np.asarray(state["generator"], dtype=np.int64))

@@ -1,4 +1,4 @@
-"""``horovod_aq.tensorflow.DistributedGradientTape``: a GradientTape that averages with packed codes.
+"""``horovod_aq.tensorflow.DistributedGradientTape``: a GradientTape averaging with packed codes.
 
 Usage, eager or inside ``tf.function`` (Keras 3 variables and plain ``tf.Variable``s alike)::
 

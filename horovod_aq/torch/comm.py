@@ -8,10 +8,10 @@ broadcast on the process set.
 
 from __future__ import annotations
 
+import horovod.torch as hvd
 import numpy as np
 import torch
 
-import horovod.torch as hvd
 from horovod_aq import sync
 from horovod_aq.sync import Comm
 

@@ -1,4 +1,4 @@
-"""``horovod_aq.torch.DistributedOptimizer``: Horovod's optimizer with a bit-packed gradient exchange.
+"""``horovod_aq.torch.DistributedOptimizer``: Horovod's optimizer with bit-packed gradient exchange.
 
 Built on Horovod's own machinery (its AccumulateGrad hooks, ``backward_passes_per_step`` delays,
 ``synchronize``/``skip_synchronize``/``zero_grad`` checks) without patching Horovod: the class is
@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-
-import horovod.torch as hvd
 from horovod.torch.mpi_ops import (
     Average,
     allgather_async,
@@ -71,6 +71,26 @@ logger = logging.getLogger(__name__)
 #: Largest fused bucket, in bytes of fp32 gradient (PyTorch DDP's default bucket cap).
 DEFAULT_FUSION_BYTES = 25 * 2**20
 _optimizer_counter = itertools.count()
+#: Poll interval bounds (seconds) while waiting for a collective; see ``wait``.
+WAIT_POLL_MIN_S = 20e-6
+WAIT_POLL_MAX_S = 1e-3
+
+
+def wait(handle: Any) -> Any:
+    """``synchronize(handle)`` without spinning on a core.
+
+    Horovod 0.28.1's ``synchronize`` (``WaitAndClear`` in ``horovod/torch/mpi_ops_v2.cc``) loops
+    on ``std::this_thread::yield()`` until the collective finishes, so a rank waiting for a slow
+    network keeps a core busy; where ranks share cores (several ranks per CPU host) that time
+    is taken from the ranks still encoding or decoding. Here the wait polls with a sleep that
+    doubles from ``WAIT_POLL_MIN_S`` up to ``WAIT_POLL_MAX_S`` (at most ~1 ms of added latency),
+    then calls ``synchronize``, which returns at once (and raises the collective's error).
+    """
+    delay = WAIT_POLL_MIN_S
+    while not poll(handle):
+        time.sleep(delay)
+        delay = min(2 * delay, WAIT_POLL_MAX_S)
+    return synchronize(handle)
 
 
 class _Bucket:
@@ -85,6 +105,7 @@ class _Bucket:
             self.slots[p] = (offset, p.numel())
             offset += p.numel()
         self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=params[0].device)
+        self.padded: torch.Tensor | None = None   # two-phase: buffer + zeros to P equal chunks
         self.arrived: set[torch.Tensor] = set()
         self.stage = "idle"           # idle → (a2a →) ag | ag2 → done
         self.handle: Any = None
@@ -194,7 +215,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         rec.bytes_sent += bytes_sent("allreduce_fp16" if wire.dtype == torch.float16
                                      else "allreduce_fp32", grad.numel(), 0, 1, self._aq_ranks)
         def output() -> torch.Tensor:
-            out = synchronize(handle)
+            out = wait(handle)
             self._aq.observe_aggregate(out)
             return out.to(dtype)
         return output
@@ -210,9 +231,9 @@ class _PackedOptimizer(torch.optim.Optimizer):
         comp, P, rec = self._aq, self._aq_ranks, self._aq_record
         ef = comp if isinstance(comp, ErrorFeedback) else None
         raw = bucket.buffer
-        bad = ~torch.isfinite(raw)
-        if bool(bad.any()):   # send a marker of the same size: every rank learns of it
-            self._aq_send_marker(bucket, int(bad.nonzero()[0, 0]))
+        first_bad = kernels.first_nonfinite(raw)
+        if first_bad is not None:   # send a marker of the same size: every rank learns of it
+            self._aq_send_marker(bucket, first_bad)
             return
         x = ef.compensate(bucket.name, raw) if ef is not None else raw   # g + α·h
         if comp.recording:
@@ -225,7 +246,8 @@ class _PackedOptimizer(torch.optim.Optimizer):
         if bucket.mode == "allgather":
             payload = self._aq_encode(x, bucket)
             if ef is not None:   # h ← β·h + (g − g̃), g̃ = what this rank sent
-                ef.update(bucket.name, raw, kernels.decode(payload, comp.table, dtype=torch.float32))
+                ef.update(bucket.name, raw,
+                          kernels.decode(payload, comp.table, dtype=torch.float32))
             rec.payload_bytes += payload.numel()
             rec.bytes_sent += (P - 1) * payload.numel()
             bucket.handle = allgather_async(payload, name=f"aq.ag.{bucket.name}",
@@ -233,7 +255,9 @@ class _PackedOptimizer(torch.optim.Optimizer):
             bucket.stage = "ag"
             return
         m = chunk_numel(bucket.numel, P, comp.bucket_size)
-        padded = torch.zeros(P * m, dtype=torch.float32, device=x.device)
+        if bucket.padded is None or bucket.padded.numel() != P * m:   # zero tail, kept
+            bucket.padded = torch.zeros(P * m, dtype=torch.float32, device=x.device)
+        padded = bucket.padded
         padded[:bucket.numel] = x
         chunk_payloads = [self._aq_encode(chunk, bucket, k)
                           for k, chunk in enumerate(padded.view(P, m))]
@@ -306,7 +330,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         """Move ``bucket`` one stage on, blocking on its collective."""
         comp, P = self._aq, self._aq_ranks
         if bucket.stage == "a2a":
-            received = synchronize(bucket.handle)
+            received = wait(bucket.handle)
             received = received[0] if isinstance(received, (tuple, list)) else received
             if self._aq_nonfinite(bucket, received.view(P, -1)):
                 return
@@ -316,7 +340,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
                                             process_set=self.process_set)
             bucket.stage = "ag2"
         elif bucket.stage in ("ag", "ag2"):
-            gathered = synchronize(bucket.handle).view(P, -1)
+            gathered = wait(bucket.handle).view(P, -1)
             if bucket.stage == "ag" and self._aq_nonfinite(bucket, gathered):
                 return
             if bucket.stage == "ag":

@@ -109,7 +109,7 @@ def compress(compressor: Compressor, tensor: torch.Tensor) -> tuple[torch.Tensor
         return tensor.to(torch.float16), tensor.dtype
     compressor.warn_stock_once()
     flat = tensor.detach().reshape(-1)
-    if not bool(torch.isfinite(flat).all()):
+    if kernels.first_nonfinite(flat) is not None:
         if compressor.nonfinite == "skip":   # every rank's sum becomes NaN: all skip alike
             return torch.full(tensor.shape, float("nan"), dtype=torch.float16,
                               device=tensor.device), tensor.dtype

@@ -1,0 +1,301 @@
+"""Final test accuracy and loss after a fixed budget: fp32, fp16 and every quantizer.
+
+    python benchmarks/accuracy.py             # 4 ranks, seeds 0,1,2, 2 epochs per configuration
+    python benchmarks/accuracy.py --quick     # CI: 2 ranks, 1 seed, 3 configurations, 40 steps
+
+**Task.** Fashion-MNIST (``benchmarks/fashion_mnist.py``: the Debian package
+``dataset-fashion-mnist``, 60,000 training and 10,000 test images, read from its idx files; the
+setup step installs it with apt-get when missing), the ``SmallCNN`` of ``benchmarks/models.py``
+(281k parameters), 4 ranks, each training on its own 15,000-image shard with batch 32 (global
+batch 128), SGD with momentum 0.9, learning rate ``--lr`` constant, for ``--epochs`` epochs.
+
+**Configurations.** fp32, fp16, and each quantizer at 3 bits — QSGD, QSGDinf, NUQSGD, TernGrad
+(always ternary), natural dithering, ALQ, ALQ-N, ALQ-G, AMQ, AMQ-N — plus ALQ and QSGDinf at 2
+bits. **Every configuration, fp32 and fp16 included, runs through the packed optimizer**
+``horovod_aq.torch.DistributedOptimizer`` (exchange="auto"): quantizers send bit-packed codes,
+fp32 and fp16 go through its named Horovod allreduce (``horovod_aq.NoCompression`` /
+``horovod_aq.FP16``), so all rows share one code path and one telemetry (bits per coordinate,
+bytes sent per step). Every quantizer uses the same bucket size ``--bucket-size`` (default 1024,
+the package's default for the adaptive methods and close to the fixed methods' 512; the ALQ
+paper used 8192 — ``variance.py`` measures both, and ``--bucket-size 8192`` reruns this at the
+paper's setting). Adaptive methods use their default fitting model (the gradient histogram for
+ALQ/ALQ-G/AMQ, one pooled truncated normal for ALQ-N/AMQ-N) and refit on their default schedule
+(steps 0, 100, 2000, …).
+
+**Seeds.** Seed s fixes the initial weights (identical for every configuration of that seed),
+the data order and the quantizers' random streams. All configurations of one seed run in ONE
+4-rank launch (``horovod_aq.launcher.run_local`` with one check per configuration) to amortize
+start-up; seeds are separate launches. The table gives mean ± sample std over the seeds of the
+final test accuracy and test loss (full 10k test set), the payload bits per coordinate (norms and
+headers included), and bytes sent per rank per step relative to fp32 (the optimizer's telemetry).
+A run whose gradients become non-finite is reported as diverged.
+
+Results: ``benchmarks/results/accuracy.md`` and ``accuracy.png`` (test accuracy per epoch,
+mean over seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import report
+
+#: (label, method, bits) of the full benchmark, in table order.
+CONFIGS = (
+    ("fp32", "none", 32), ("fp16", "fp16", 16),
+    ("QSGD 3b", "qsgd", 3), ("QSGDinf 3b", "qsgdinf", 3), ("NUQSGD 3b", "nuqsgd", 3),
+    ("TernGrad", "terngrad", 2), ("natural 3b", "natural", 3),
+    ("ALQ 3b", "alq", 3), ("ALQ-N 3b", "alqn", 3), ("ALQ-G 3b", "alqg", 3),
+    ("AMQ 3b", "amq", 3), ("AMQ-N 3b", "amqn", 3),
+    ("ALQ 2b", "alq", 2), ("QSGDinf 2b", "qsgdinf", 2),
+)
+QUICK_CONFIGS = ("fp32", "QSGDinf 3b", "ALQ 3b")
+
+
+def train_config(label: str, method: str, bits: int, seed: int, epochs: float, lr: float,
+                 batch: int, bucket_size: int | None) -> dict:
+    """Runs in every rank: train one configuration from scratch, evaluate on the test set."""
+    import horovod.torch as hvd
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    import horovod_aq
+    import horovod_aq.torch as aqt
+    from benchmarks import fashion_mnist
+    from benchmarks.models import SmallCNN
+    from horovod_aq.codec import NonFiniteGradientError
+
+    torch.set_num_threads(1)
+    if not hvd.is_initialized():
+        hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    train, test = fashion_mnist.load()
+    shard = train.shard(rank, size)
+    xs, ys = torch.from_numpy(shard.images), torch.from_numpy(shard.labels)
+    torch.manual_seed(seed)
+    model = SmallCNN()
+    kwargs = {"seed": seed, "name": f"acc.{label.replace(' ', '_')}.s{seed}"}
+    if method not in ("none", "fp16"):
+        kwargs["bits"] = bits
+        if bucket_size:
+            kwargs["bucket_size"] = bucket_size
+    comp = horovod_aq.from_name(method, **kwargs)
+    opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+                                   named_parameters=model.named_parameters(), compression=comp,
+                                   exchange="auto")
+    steps_per_epoch = len(ys) // batch
+    total = round(epochs * steps_per_epoch)
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+
+    def evaluate() -> tuple[float, float]:
+        model.eval()
+        with torch.no_grad():
+            part = slice(rank, None, size)
+            xt, yt = torch.from_numpy(test.images[part]), torch.from_numpy(test.labels[part])
+            logits = model(xt)
+            sums = torch.tensor([float(F.cross_entropy(logits, yt, reduction="sum")),
+                                 float((logits.argmax(1) == yt).sum()), float(len(yt))],
+                                dtype=torch.float64)
+        model.train()
+        sums = hvd.allreduce(sums, op=hvd.Sum, name=f"acc.eval.{kwargs['name']}.{len(history)}")
+        return float(sums[0] / sums[2]), float(sums[1] / sums[2])
+
+    history: list[dict] = []
+    losses: list[float] = []
+    diverged = None
+    t0 = time.perf_counter()
+    step = 0
+    epoch = 0
+    while step < total and diverged is None:
+        epoch += 1
+        order = torch.randperm(len(ys), generator=gen)
+        for i in range(steps_per_epoch):
+            if step >= total:
+                break
+            idx = order[i * batch:(i + 1) * batch]
+            opt.zero_grad()
+            loss = F.cross_entropy(model(xs[idx]), ys[idx])
+            loss.backward()
+            try:
+                opt.step()
+            except NonFiniteGradientError as exc:   # raised on every rank alike
+                diverged = f"step {step}: {str(exc).splitlines()[0][:120]}"
+                break
+            losses.append(loss.item())
+            step += 1
+        if diverged is None:
+            test_loss, test_acc = evaluate()
+            history.append({"epoch": step / steps_per_epoch, "test_loss": test_loss,
+                            "test_acc": test_acc,
+                            "train_loss": float(np.mean(losses[-steps_per_epoch:]))})
+    seconds = time.perf_counter() - t0
+    totals = opt.telemetry.totals()
+    return {"label": label, "seed": seed, "history": history, "diverged": diverged,
+            "test_acc": history[-1]["test_acc"] if history and not diverged else float("nan"),
+            "test_loss": history[-1]["test_loss"] if history and not diverged else float("nan"),
+            "steps": step, "seconds": seconds,
+            "bits_per_coordinate": (totals["bits_per_coordinate"] if comp.quantizes
+                                    else float(comp.bits)),
+            "bytes_per_step": totals["bytes_sent"] / max(1, totals["steps"]),
+            "bytes_fp32_per_step": totals["bytes_fp32"] / max(1, totals["steps"]),
+            "bucket_size": comp.bucket_size if comp.quantizes else None,
+            "table_version": comp.table.version if comp.quantizes else None}
+
+
+def _named(label: str, seed: int):
+    """A uniquely named function per configuration (run_local keys checks by name)."""
+    def check(**kwargs):
+        return train_config(**kwargs)
+    check.__qualname__ = check.__name__ = f"{label.replace(' ', '_')}_seed{seed}"
+    check.__module__ = __name__
+    return check
+
+
+def fmt(values: list[float], digits: int, scale: float = 1.0) -> str:
+    vals = [v * scale for v in values if not math.isnan(v)]
+    if not vals:
+        return "diverged"
+    if len(vals) == 1:
+        return f"{vals[0]:.{digits}f}"
+    return f"{statistics.fmean(vals):.{digits}f} ± {statistics.stdev(vals):.{digits}f}"
+
+
+def plot(results: dict[str, list[dict]], path: Path) -> None:
+    from horovod_aq.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for label, runs in results.items():
+        ok = [r for r in runs if not r["diverged"] and r["history"]]
+        if not ok:
+            continue
+        n = min(len(r["history"]) for r in ok)
+        xs = [ok[0]["history"][i]["epoch"] for i in range(n)]
+        ys = [100 * statistics.fmean(r["history"][i]["test_acc"] for r in ok) for i in range(n)]
+        adaptive = label.split(" ")[0] in ("ALQ", "ALQ-N", "ALQ-G", "AMQ", "AMQ-N")
+        ax.plot(xs, ys, marker="o", ls="-" if adaptive else "--", label=label)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test accuracy (%), mean over seeds")
+    ax.set_title("Fashion-MNIST SmallCNN, 4 ranks: test accuracy per epoch")
+    ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help=f"CI: 2 ranks, seed 0, {', '.join(QUICK_CONFIGS)}, 40 steps")
+    p.add_argument("--np", type=int, default=4)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--epochs", type=float, default=2.0,
+                   help="training budget per configuration, in epochs of the training set")
+    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--bucket-size", type=int, default=1024,
+                   help="bucket size of every quantizer (0: each method's own default)")
+    p.add_argument("--configs", default=None,
+                   help="comma list of configuration labels (default: all); "
+                        + "; ".join(c[0] for c in CONFIGS))
+    p.add_argument("--controller", choices=["gloo", "mpi"], default="gloo")
+    p.add_argument("--timeout", type=float, default=None, help="limit per launch (s)")
+    args = p.parse_args(argv)
+    chosen = [c.strip() for c in args.configs.split(",")] if args.configs else None
+    if args.quick:
+        args.np, args.seeds = 2, "0"
+        chosen = chosen or list(QUICK_CONFIGS)
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    labels = [c[0] for c in CONFIGS]
+    if chosen:
+        unknown = set(chosen) - set(labels)
+        if unknown:
+            p.error(f"unknown configurations {sorted(unknown)}; choose from {labels}")
+    args.configs = [c for c in CONFIGS if chosen is None or c[0] in chosen]
+    if args.timeout is None:
+        args.timeout = 600 if args.quick else 3 * 3600
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from benchmarks import fashion_mnist
+    from horovod_aq.launcher import run_local
+
+    fashion_mnist.ensure_installed()
+    shard = 60000 // args.np
+    epochs = args.epochs if not args.quick else 40 / (shard // args.batch)
+    results: dict[str, list[dict]] = {c[0]: [] for c in args.configs}
+    t_all = time.monotonic()
+    for seed in args.seeds:
+        checks = [(_named(label, seed),
+                   {"label": label, "method": method, "bits": bits, "seed": seed,
+                    "epochs": epochs, "lr": args.lr, "batch": args.batch,
+                    "bucket_size": args.bucket_size or None})
+                  for label, method, bits in args.configs]
+        t0 = time.monotonic()
+        launch = run_local(checks, np=args.np, controller=args.controller, timeout=args.timeout)
+        for check, (label, _, _) in zip(checks, args.configs):
+            results[label].append(launch.get(check[0])[0])
+        print(f"seed {seed}: {len(checks)} configurations in {time.monotonic() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+    wall = time.monotonic() - t_all
+
+    fp32 = results.get("fp32")
+    fp32_bytes = statistics.fmean(r["bytes_per_step"] for r in fp32) if fp32 else None
+    rows = []
+    for label, runs in results.items():
+        bits = statistics.fmean(r["bits_per_coordinate"] for r in runs)
+        sent = statistics.fmean(r["bytes_per_step"] for r in runs)
+        ratio = (f"{sent / fp32_bytes:.4f}" if fp32_bytes else
+                 f"{sent / statistics.fmean(r['bytes_fp32_per_step'] for r in runs):.4f}")
+        diverged = sum(1 for r in runs if r["diverged"])
+        rows.append([label, fmt([r["test_acc"] for r in runs], 2, 100),
+                     fmt([r["test_loss"] for r in runs], 4),
+                     f"{bits:.3f}", f"{sent / 1e6:.3f}", ratio,
+                     f"{diverged}/{len(runs)}" if diverged else "0",
+                     f"{statistics.fmean(r['seconds'] for r in runs):.0f}"])
+    table = report.markdown_table(
+        ["configuration", "test accuracy (%)", "test loss", "bits/coordinate",
+         "MB sent/rank/step", "bytes vs fp32", "diverged", "s per run"], rows)
+    fig = report.figure_path("accuracy", quick=args.quick)
+    plot(results, fig)
+    r0 = next(iter(results.values()))[0]
+    notes = [
+        f"Task: Fashion-MNIST (60k train / 10k test, Debian dataset-fashion-mnist), SmallCNN "
+        f"(281,034 parameters), {args.np} ranks ({args.controller}), batch {args.batch}/rank, "
+        f"SGD lr {args.lr} momentum 0.9, budget {epochs:g} epochs ({r0['steps']} steps) per run",
+        f"Seeds {', '.join(map(str, args.seeds))} (mean ± sample std over seeds); all "
+        "configurations of a seed in one launch, same initial weights",
+        "Every row uses horovod_aq.torch.DistributedOptimizer (exchange='auto'): fp32/fp16 via "
+        "NoCompression/FP16 (named Horovod allreduce), quantizers packed, bucket "
+        f"{args.bucket_size or 'per-method default'}; TernGrad is ternary (2-bit codes)",
+        f"Wall time {wall / 60:.1f} min",
+    ]
+    body = (table + "\n\nbits/coordinate: payload bits per quantized coordinate (codes + fp32 "
+            "norms + header); bytes vs fp32: telemetry bytes sent per rank per step ÷ fp32's.\n"
+            f"\n![test accuracy per epoch]({fig.name})\n")
+    failures = [f"{lb} seed {r['seed']}: {r['diverged']}" for lb, runs in results.items()
+                for r in runs if r["diverged"]]
+    if failures:
+        body += "\nDiverged runs:\n" + "\n".join(f"- {f}" for f in failures) + "\n"
+    path = report.write("accuracy", "Test accuracy after a fixed budget", body,
+                        quick=args.quick, notes=notes)
+    path.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    print(path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
