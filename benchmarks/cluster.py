@@ -397,7 +397,7 @@ def plot(results: list[dict], modes: list[str], path: Path) -> None:
     from horovod_aq.plots import _pyplot
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
     labels = [f"{r['hosts']} hosts\n{r['rate']:g} Mbit/s" for r in results]
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
@@ -409,7 +409,7 @@ def plot(results: list[dict], modes: list[str], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("median step time (s, log scale)")
     ax.set_title("Emulated cluster: step time per exchange")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -20,8 +20,8 @@ variance
 with the numpy codec's closed form (``horovod_aq.codec.rounding_variance``: the same float32
 normalization and level lookup as the encoder; tail bucket quantized with its own norm). The
 value reported for a step is the mean over the ranks; the table gives the mean over the sampled
-steps after step 0 (at step 0 the adaptive methods still use their starting table, E-ref with
-p = 1/2, i.e. NUQSGD's; step 0 is in the plot and the .json). At the last sample a Monte-Carlo
+steps after step 0 (at step 0 the adaptive methods still use their starting table, the fit
+to the Gaussian prior TN(0, 1/√B); step 0 is in the plot and the .json). At the last sample a Monte-Carlo
 estimate with ``codec.quantize`` (8 seeds) is compared with the closed form for a few
 configurations, as a check.
 
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
 
     columns = [(b, B) for b in args.bits for B in args.buckets]
     # the table's mean leaves out step 0, where the adaptive methods still use their starting
-    # table (E-ref, p = 1/2 — NUQSGD's); step 0 is in the plot and in the .json
+    # table (their fit to the Gaussian prior); step 0 is in the plot and in the .json
     first = 1 if len(steps) > 1 and steps[0] == 0 else 0
 
     def avg(series):

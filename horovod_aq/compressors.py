@@ -429,7 +429,7 @@ class NaturalDithering(Compressor):
 
 # ---------------------------------------------------------------------- adaptive levels
 class _Adaptive(Compressor):
-    """Adaptive tables: start from E-ref (p = 1/2) as the reference does, refit on schedule.
+    """Adaptive tables: start from the fit to a Gaussian prior, refit on schedule.
 
     ``model`` is the distribution F the levels are fitted to (quantizers.md §5):
 
