@@ -21,9 +21,9 @@ with the numpy codec's closed form (``horovod_aq.codec.rounding_variance``: the 
 normalization and level lookup as the encoder; tail bucket quantized with its own norm). The
 value reported for a step is the mean over the ranks; the table gives the mean over the sampled
 steps after step 0 (at step 0 the adaptive methods still use their starting table, the fit
-to the Gaussian prior TN(0, 1/√B); step 0 is in the plot and the .json). At the last sample a Monte-Carlo
-estimate with ``codec.quantize`` (8 seeds) is compared with the closed form for a few
-configurations, as a check.
+to the Gaussian prior TN(0, 1/√B); step 0 is in the plot and the .json). At the last sample
+a Monte-Carlo estimate with ``codec.quantize`` (8 seeds) is compared with the closed form for
+a few configurations, as a check.
 
 **Adaptive methods** (ALQ, ALQ-N, ALQ-G, AMQ, AMQ-N) refit exactly as in training: each is a
 real compressor object on every rank, with its default refit schedule (steps 0, 100, 2000 and
