@@ -1,6 +1,6 @@
 """Final test accuracy and loss after a fixed budget: fp32, fp16 and every quantizer.
 
-    python benchmarks/accuracy.py             # 4 ranks, seeds 0,1,2, 2 epochs per configuration
+    python benchmarks/accuracy.py             # 4 ranks, seeds 0,1,2, 1 epoch per configuration
     python benchmarks/accuracy.py --quick     # CI: 2 ranks, 1 seed, 3 configurations, 40 steps
 
 **Task.** Fashion-MNIST (``benchmarks/fashion_mnist.py``: the Debian package
@@ -200,7 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"CI: 2 ranks, seed 0, {', '.join(QUICK_CONFIGS)}, 40 steps")
     p.add_argument("--np", type=int, default=4)
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--epochs", type=float, default=2.0,
+    p.add_argument("--epochs", type=float, default=1.0,
                    help="training budget per configuration, in epochs of the training set")
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
