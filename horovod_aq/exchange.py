@@ -34,6 +34,9 @@ EXCHANGES = ("auto", "allgather", "two_phase")
 TWO_PHASE_MIN_RANKS = 16
 #: Payload header bytes (mirrors horovod_aq.codec.HEADER_SIZE; checked by the tests).
 HEADER_BYTES = 32
+#: Largest fused bucket of the packed optimizers, in bytes of fp32 gradient (PyTorch DDP's
+#: default bucket cap).
+DEFAULT_FUSION_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,7 @@ from horovod_aq.codec import (
 )
 from horovod_aq.compressors import Compressor, seed_for_rank
 from horovod_aq.exchange import (
+    DEFAULT_FUSION_BYTES,
     BucketPlan,
     NetworkModel,
     bytes_sent,
@@ -121,8 +122,6 @@ from horovod_aq.tensorflow.state import (
 
 logger = logging.getLogger(__name__)
 
-#: Largest fused bucket, in bytes of fp32 gradient (the PyTorch integration's default).
-DEFAULT_FUSION_BYTES = 25 * 2**20
 #: Start of the non-finite check's message (translated to NonFiniteGradientError eagerly).
 NONFINITE_MARK = "horovod_aq: non-finite gradient"
 #: Header bytes holding a marker's first bad element (u32; ``codec.make_header``'s last field).

@@ -52,6 +52,7 @@ from horovod_aq import codec
 from horovod_aq.compressors import Compressor, NoCompression
 from horovod_aq.error_feedback import ErrorFeedback
 from horovod_aq.exchange import (
+    DEFAULT_FUSION_BYTES,
     BucketPlan,
     NetworkModel,
     bytes_sent,
@@ -68,8 +69,6 @@ from horovod_aq.torch.stock import torch_state
 
 logger = logging.getLogger(__name__)
 
-#: Largest fused bucket, in bytes of fp32 gradient (PyTorch DDP's default bucket cap).
-DEFAULT_FUSION_BYTES = 25 * 2**20
 _optimizer_counter = itertools.count()
 #: Poll interval bounds (seconds) while waiting for a collective; see ``wait``.
 WAIT_POLL_MIN_S = 20e-6
