@@ -72,7 +72,7 @@ def train_config(label: str, method: str, bits: int, seed: int, epochs: float, l
     import horovod_aq
     import horovod_aq.torch as aqt
     from benchmarks import fashion_mnist
-    from benchmarks.models import SmallCNN
+    from benchmarks.models import SmallCNN, evaluate
     from horovod_aq.codec import NonFiniteGradientError
 
     torch.set_num_threads(1)
@@ -96,19 +96,6 @@ def train_config(label: str, method: str, bits: int, seed: int, epochs: float, l
     steps_per_epoch = len(ys) // batch
     total = round(epochs * steps_per_epoch)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
-
-    def evaluate() -> tuple[float, float]:
-        model.eval()
-        with torch.no_grad():
-            part = slice(rank, None, size)
-            xt, yt = torch.from_numpy(test.images[part]), torch.from_numpy(test.labels[part])
-            logits = model(xt)
-            sums = torch.tensor([float(F.cross_entropy(logits, yt, reduction="sum")),
-                                 float((logits.argmax(1) == yt).sum()), float(len(yt))],
-                                dtype=torch.float64)
-        model.train()
-        sums = hvd.allreduce(sums, op=hvd.Sum, name=f"acc.eval.{kwargs['name']}.{len(history)}")
-        return float(sums[0] / sums[2]), float(sums[1] / sums[2])
 
     history: list[dict] = []
     losses: list[float] = []
@@ -134,7 +121,8 @@ def train_config(label: str, method: str, bits: int, seed: int, epochs: float, l
             losses.append(loss.item())
             step += 1
         if diverged is None:
-            test_loss, test_acc = evaluate()
+            test_loss, test_acc = evaluate(model, test,
+                                           name=f"acc.eval.{kwargs['name']}.{len(history)}")
             history.append({"epoch": step / steps_per_epoch, "test_loss": test_loss,
                             "test_acc": test_acc,
                             "train_loss": float(np.mean(losses[-steps_per_epoch:]))})

@@ -5,6 +5,7 @@
   connected (281,034 parameters in 8 tensors; the flattened gradient spans 35 buckets of 8192,
   275 of 1024). Narrow convolutions keep a step cheap (4 ranks share 2 cores here); the wide
   first dense layer keeps the gradient long enough for large buckets to matter.
+* :func:`evaluate` — test loss and accuracy over the whole test set, split across the ranks.
 * :func:`mlp` — the ``cluster.py`` workload: a plain MLP whose gradients are large enough for
   the network to matter (default 784 → 4096 → 1536 → 10, ≈ 9.5M parameters = 38 MB of fp32
   gradient per step).
@@ -66,3 +67,27 @@ def backward_order(model: nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
 def flat_gradient(model: nn.Module) -> torch.Tensor:
     """All gradients flattened into one float32 vector in :func:`backward_order`."""
     return torch.cat([p.grad.reshape(-1) for _, p in backward_order(model)]).float()
+
+
+def evaluate(model: nn.Module, test, *, name: str) -> tuple[float, float]:
+    """(test loss, test accuracy) of ``model`` on the whole test set, across the Horovod ranks.
+
+    Rank r evaluates images r, r + P, r + 2P, … of ``test`` (a ``fashion_mnist.Split``); the
+    per-rank (summed cross-entropy, correct, count) are summed by an allreduce named ``name``,
+    so every rank returns the same numbers. The model's train/eval mode is restored.
+    """
+    import horovod.torch as hvd
+
+    rank, size = hvd.rank(), hvd.size()
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        part = slice(rank, None, size)
+        xt, yt = torch.from_numpy(test.images[part]), torch.from_numpy(test.labels[part])
+        logits = model(xt)
+        sums = torch.tensor([float(F.cross_entropy(logits, yt, reduction="sum")),
+                             float((logits.argmax(1) == yt).sum()), float(len(yt))],
+                            dtype=torch.float64)
+    model.train(was_training)
+    sums = hvd.allreduce(sums, op=hvd.Sum, name=name)
+    return float(sums[0] / sums[2]), float(sums[1] / sums[2])

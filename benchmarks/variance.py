@@ -108,7 +108,7 @@ def measure(steps: int, sample_every: int, bits_list: list[int], buckets: list[i
 
     import horovod_aq
     from benchmarks import fashion_mnist
-    from benchmarks.models import SmallCNN, backward_order, flat_gradient, num_parameters
+    from benchmarks.models import SmallCNN, backward_order, evaluate, flat_gradient, num_parameters
     from horovod_aq import codec
     from horovod_aq.torch import stock
     from horovod_aq.torch.comm import comm_for
@@ -194,19 +194,11 @@ def measure(steps: int, sample_every: int, bits_list: list[int], buckets: list[i
             offset += p.numel()
         opt.step()
     seconds = time.perf_counter() - t0
-    model.eval()
-    with torch.no_grad():   # each rank a quarter of the test set, summed
-        part = slice(rank, None, size)
-        xt, yt = torch.from_numpy(test.images[part]), torch.from_numpy(test.labels[part])
-        logits = model(xt)
-        sums = torch.tensor([float(F.cross_entropy(logits, yt, reduction="sum")),
-                             float((logits.argmax(1) == yt).sum()), float(len(yt))],
-                            dtype=torch.float64)
-    sums = hvd.allreduce(sums, op=hvd.Sum, name="var.test")
+    test_loss, test_acc = evaluate(model, test, name="var.test")
     levels = {k: c.table.levels.tolist() for k, c in comps.items() if c.adaptive}
     return {"values": values, "steps": sampled, "refits": refits, "mc": mc,
             "train_loss_last100": float(np.mean(losses[-100:])),
-            "test_loss": float(sums[0] / sums[2]), "test_acc": float(sums[1] / sums[2]),
+            "test_loss": test_loss, "test_acc": test_acc,
             "params": num_parameters(model), "seconds": seconds, "measure_seconds": t_measure,
             "levels": levels, "versions": {k: c.table.version for k, c in comps.items()}}
 
