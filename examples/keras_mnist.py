@@ -12,7 +12,6 @@ metrics over ranks and end every step (refits, telemetry). Data, flags and repor
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -23,13 +22,10 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-import horovod.tensorflow as hvd  # noqa: E402
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from tensorflow_mnist import make_model  # noqa: E402  (the same CNN)
+from tensorflow_mnist import init_and_load, local_gradient, make_model  # noqa: E402
 
 import horovod_aq.keras as aqk  # noqa: E402  (before Horovod's init: mpi4py under MPI)
-from horovod_aq.datasets import load_mnist_5k  # noqa: E402
 
 
 class EpochReport(keras.callbacks.Callback):
@@ -57,18 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.exchange == "stock":
         p.error("--exchange stock needs Keras 2 (tf_keras): see horovod.tensorflow.keras")
-    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    logging.basicConfig(level=logging.WARNING if rank else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
-    keras.utils.set_random_seed(args.seed)
-
-    train, test = load_mnist_5k(seed=args.seed)
-    shard = train.shard(rank, size)
-    xs, ys = shard.images[..., None], shard.labels
-    test_data = (test.images[..., None], test.labels)
+    rank, size, xs, ys, xt, yt = init_and_load(args)
+    test_data = (xt, yt)
 
     model = make_model()
     compression = common.make_compressor(args)
@@ -88,11 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = common.summary(args, report.history, telemetry, compression, size)
     if rank == 0:
-        with tf.GradientTape() as tape:   # a plain tape: no exchange, for the level plot
-            loss = model.loss(ys[:256], model(xs[:256], training=False))
-        grads = tape.gradient(loss, model.trainable_variables)
         common.finish(args, result, report.history, compression,
-                      gradient=np.concatenate([g.numpy().ravel() for g in grads[::-1]]))
+                      gradient=local_gradient(model, model.loss, xs[:256], ys[:256]))
     telemetry.close()
     return result
 

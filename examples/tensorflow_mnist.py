@@ -45,8 +45,9 @@ def make_model() -> keras.Model:
     ])
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = common.parser(__doc__).parse_args(argv)
+def init_and_load(args) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Threads, ``hvd.init``, logging (INFO on rank 0) and seeds; then this rank's training
+    shard and the whole test set as NHWC images: (rank, size, xs, ys, xt, yt)."""
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     hvd.init()
@@ -54,11 +55,24 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.WARNING if rank else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     keras.utils.set_random_seed(args.seed)
-
     train, test = load_mnist_5k(seed=args.seed)
     shard = train.shard(rank, size)
-    xs, ys = shard.images[..., None], shard.labels
-    xt, yt = test.images[..., None], test.labels
+    return (rank, size, shard.images[..., None], shard.labels, test.images[..., None],
+            test.labels)
+
+
+def local_gradient(model: keras.Model, loss_fn, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """This rank's gradient on (x, y) from a plain tape (no exchange), flattened in backward
+    order — what the level plot draws."""
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=False))
+    grads = tape.gradient(loss, model.trainable_variables)
+    return np.concatenate([g.numpy().ravel() for g in grads[::-1]])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = common.parser(__doc__).parse_args(argv)
+    rank, size, xs, ys, xt, yt = init_and_load(args)
 
     model = make_model()
     broadcast_variables(model.variables, root_rank=0)
@@ -106,11 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = common.summary(args, history, telemetry, compression, size)
     if rank == 0:
-        with tf.GradientTape() as tape:   # a plain tape: no exchange, for the level plot
-            loss = loss_fn(ys[:256], model(xs[:256], training=False))
-        grads = tape.gradient(loss, model.trainable_variables)
         common.finish(args, result, history, compression,
-                      gradient=np.concatenate([g.numpy().ravel() for g in grads[::-1]]))
+                      gradient=local_gradient(model, loss_fn, xs[:256], ys[:256]))
     telemetry.close()
     return result
 
