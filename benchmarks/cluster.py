@@ -92,14 +92,13 @@ def _install_sleep_wait(interval: float) -> None:
     Horovod 0.28.1's ``synchronize`` (``WaitAndClear`` in horovod/torch/mpi_ops_v2.cc) spins on
     ``std::this_thread::yield()`` until the collective is done, so a rank waiting for the
     network keeps its core busy; with 4 ranks on 2 cores that competes with the ranks that
-    still compute or encode. This replaces ``synchronize`` — in Horovod's optimizer and in the
-    packed optimizer alike, so every mode gets the same wait — with poll + sleep, then the
-    original call (which returns at once).
+    still compute or encode. The packed optimizer never spins (``horovod_aq.torch.optimizer.wait``
+    polls and sleeps); this gives Horovod's own optimizer (the fp32/fp16 modes) a poll + sleep
+    wait too, then the original call (which returns at once), to compare the exchanges without
+    that difference.
     """
     import horovod.torch.mpi_ops as mpi_ops
     import horovod.torch.optimizer as hvd_optimizer
-
-    import horovod_aq.torch.optimizer as aq_optimizer
 
     original, poll = mpi_ops.synchronize, mpi_ops.poll
 
@@ -108,7 +107,7 @@ def _install_sleep_wait(interval: float) -> None:
             time.sleep(interval)
         return original(handle)
 
-    for module in (mpi_ops, hvd_optimizer, aq_optimizer):
+    for module in (mpi_ops, hvd_optimizer):
         if getattr(module, "synchronize", None) is original:
             module.synchronize = synchronize
 
