@@ -275,3 +275,17 @@ def test_cuda_matches_cpu_bytes():
                        tk.decode_average(stacked, table))
     gen = torch.Generator(device="cuda").manual_seed(0)
     assert tk.encode(x.cuda(), table, bucket_size=512, generator=gen).is_cuda
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_first_nonfinite(dtype):
+    x = torch.zeros(1000, dtype=dtype)
+    assert tk.first_nonfinite(x) is None
+    assert tk.first_nonfinite(torch.zeros(0, dtype=dtype)) is None
+    for value in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[[417, 900]] = value
+        assert tk.first_nonfinite(y.view(10, 100)) == 417
+    # finite values whose float32 sum overflows are not reported (the exact check decides)
+    huge = torch.full((8,), 3e38, dtype=torch.float32)
+    assert not torch.isfinite(huge.sum()) and tk.first_nonfinite(huge) is None
