@@ -11,7 +11,7 @@ setup:
 	@scripts/setup.sh --venv $(VENV)
 
 demo: setup
-	@$(PY) -m horovod_aq.cli demo
+	@$(PY) -m horovod_aq.tools.cli demo
 
 test: setup
 	@$(PY) -m pytest $(PYTEST_ARGS)

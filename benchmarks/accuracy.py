@@ -24,7 +24,7 @@ ALQ/ALQ-G/AMQ, one pooled truncated normal for ALQ-N/AMQ-N) and refit on their d
 
 **Seeds.** Seed s fixes the initial weights (identical for every configuration of that seed),
 the data order and the quantizers' random streams. All configurations of one seed run in ONE
-4-rank launch (``horovod_aq.launcher.run_local`` with one check per configuration) to amortize
+4-rank launch (``horovod_aq.tools.launcher.run_local`` with one check per configuration) to amortize
 start-up; seeds are separate launches. The table gives mean ± sample std over the seeds of the
 final test accuracy and test loss (full 10k test set), the payload bits per coordinate (norms and
 headers included), and bytes sent per rank per step relative to fp32 (the optimizer's telemetry).
@@ -159,7 +159,7 @@ def fmt(values: list[float], digits: int, scale: float = 1.0) -> str:
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> None:
-    from horovod_aq.plots import _pyplot
+    from horovod_aq.tools.plots import _pyplot
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
@@ -219,7 +219,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from benchmarks import fashion_mnist
-    from horovod_aq.launcher import run_local
+    from horovod_aq.tools.launcher import run_local
 
     fashion_mnist.ensure_installed()
     shard = 60000 // args.np

@@ -4,7 +4,7 @@
     python benchmarks/cluster.py --quick         # CI: 2 hosts, 100 Mbit/s, small model, few steps
     python benchmarks/cluster.py --setup         # only install missing Debian packages
 
-**Cluster** (``benchmarks/netns.py``; ``shared/specs/horovod.md`` §12). N hosts are Linux network
+**Cluster** (``benchmarks/netns.py``; ``docs/protocol.md`` §12). N hosts are Linux network
 namespaces on one bridge; each host link is shaped in both directions with a ``tc`` token
 bucket (tbf) to the given rate. The kernel here has no ``netem``, so no propagation delay is
 added (veth + bridge ≈ tens of µs; tbf's latency parameter only bounds its queue). Ranks are
@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import report
-from horovod_aq.launcher import kill_tree
+from horovod_aq.tools.launcher import kill_tree
 
 MODES = {
     "nocomm": "no communication (local step; compute floor)",
@@ -123,7 +123,7 @@ def worker(cfg: dict) -> None:
     import horovod_aq
     import horovod_aq.torch as aqt
     from benchmarks.models import mlp, num_parameters
-    from horovod_aq.exchange import bytes_sent
+    from horovod_aq.packed.cost import bytes_sent
 
     torch.set_num_threads(1)
     hvd.init()
@@ -393,7 +393,7 @@ def check_targets(results: list[dict], cfg: dict) -> list[str]:
 
 
 def plot(results: list[dict], modes: list[str], path: Path) -> None:
-    from horovod_aq.plots import _pyplot
+    from horovod_aq.tools.plots import _pyplot
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 5.5))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: how long one level refit takes on the root (not a test).
 
-A refit (spec quantizers.md §5.2, §7, §8) is: merge the gathered per-bucket statistics, build
+A refit (spec docs/quantizers.md §5.2, §7, §8) is: merge the gathered per-bucket statistics, build
 the fitting distribution (the top-K mixture, or the pooled normal for the "-N" variants) and
 fit the table. This script times it for K = 350 buckets (the ImageNet configuration's
 ``dist_num``) of B = 8192 coordinates at 2, 3 and 4 bits, for ALQ, ALQ-N, ALQ-G, AMQ and
@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from horovod_aq.levels import (
     HISTOGRAM_BINS,
     BucketStats,
-    bucket_stats,
     expected_variance,
     fit_alq,
     fit_alq_gd,
@@ -128,10 +127,11 @@ def main() -> int:
 
     g = synthetic_gradient(args.buckets, args.bucket_size)
     t0 = time.perf_counter()
-    stats = bucket_stats(g, args.bucket_size, top_k=args.buckets)
+    stats = BucketStats.from_gradient(g, args.bucket_size, top_k=args.buckets)
     t_stats = 1e3 * (time.perf_counter() - t0)
     t0 = time.perf_counter()
-    stats_h = bucket_stats(g, args.bucket_size, top_k=args.buckets, histogram=True)
+    stats_h = BucketStats.from_gradient(g, args.bucket_size, top_k=args.buckets,
+                                       histogram=True)
     t_stats_h = 1e3 * (time.perf_counter() - t0)
     # what the root receives (one rank here): the TN rows get the vector without the histogram
     # (as before the histogram existed), the histogram rows the one with it

@@ -6,9 +6,9 @@
 A small-scale reproduction of the ECQ-SGD paper's linear-model comparison (arXiv 1806.08054,
 synthetic least squares "Syn-d": loss vs iteration for 32-bit SGD, QSGD and ECQ-SGD) and of
 DQSGD's claim (arXiv 2107.14575) that a per-step bit width reaches a given loss with fewer bits
-than a fixed width. Spec: ``dynamic_and_error_feedback.md`` §1 (DQSGD) and §2 (ECQ-SGD).
+than a fixed width. Spec: ``docs/dynamic.md`` §1 (DQSGD) and §2 (ECQ-SGD).
 
-**Problem** (``horovod_aq.simulate.LeastSquares.synthetic``, the paper's Syn-d): n = 10,000
+**Problem** (``horovod_aq.tools.simulate.LeastSquares.synthetic``, the paper's Syn-d): n = 10,000
 rows, A_ij ~ N(0, 1), w* ~ N(0, I_d), b = A·w* + 0.1·ε, ε ~ N(0, I_n);
 
     f(w) = ‖A·w − b‖² / (2n),   f* = f(ŵ),   ŵ = argmin f (least-squares solution, lstsq).
@@ -16,7 +16,7 @@ rows, A_ij ~ N(0, 1), w* ~ N(0, I_d), b = A·w* + 0.1·ε, ε ~ N(0, I_n);
 The curves and tables report the **excess loss** f(w_t) − f* (f* ≈ 0.005 is the noise floor
 of the data; it is printed per dimension). Curvature: μ, L = extreme eigenvalues of AᵀA/n.
 
-**Training** (``horovod_aq.simulate.run_sgd``: in-process data-parallel SGD through the real
+**Training** (``horovod_aq.tools.simulate.run_sgd``: in-process data-parallel SGD through the real
 numpy codec and the real compressor objects, not a re-implementation). P = 4 workers, w_0 = 0;
 at every step each worker draws a minibatch of 32 rows (with replacement), computes its
 gradient g_p, sends it through the compressor (error compensation for ECQ, then
@@ -81,7 +81,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import report
-from horovod_aq.simulate import LeastSquares
+from horovod_aq.tools.simulate import LeastSquares
 
 #: A run stops as diverged once f(w_t) exceeds this multiple of f(w_0).
 DIVERGENCE_FACTOR = 100.0
@@ -188,7 +188,7 @@ def run_config(problem: Problem, config: Config, *, steps: int, lr: float, batch
     """One training run; the numbers every table and plot is made of."""
     from horovod_aq import codec
     from horovod_aq.codec import NonFiniteGradientError
-    from horovod_aq.simulate import run_sgd
+    from horovod_aq.tools.simulate import run_sgd
 
     comp = config.make() if config.make is not None else None
     tail = max(1, steps // 10)
@@ -345,7 +345,7 @@ LINESTYLE = {"sgd": "-", "qsgd": "--", "ecq": "-", "ef": ":"}
 
 def plot(results, dims, ecq_cfgs: dict[int, list[Config]], trade_dim, trade_cfgs, rows,
          path: Path) -> None:
-    from horovod_aq.plots import _pyplot
+    from horovod_aq.tools.plots import _pyplot
 
     plt = _pyplot()
     panels = len(dims) + 2
@@ -585,10 +585,10 @@ def main(argv=None) -> int:
                                  + (" (first seed)" if len(rs) > 1 else "")
                                  for (d, label), rs in failures.items()) + "\n")
     notes = [
-        f"Problem: Syn-d least squares (horovod_aq.simulate.LeastSquares.synthetic), n = "
+        f"Problem: Syn-d least squares (horovod_aq.tools.simulate.LeastSquares.synthetic), n = "
         f"{args.rows}, A ~ N(0,1), w* ~ N(0,I), noise {args.noise}; ECQ comparison at d = "
         f"{', '.join(map(str, args.dims))}, DQSGD trade-off at d = {td}",
-        f"Training: horovod_aq.simulate.run_sgd (real numpy codec and compressor objects), "
+        f"Training: horovod_aq.tools.simulate.run_sgd (real numpy codec and compressor objects), "
         f"{args.workers} workers, batch {args.batch}/worker (with replacement), lr {args.lr}, "
         f"no momentum, w_0 = 0, steps "
         + ", ".join(f"{args.steps[d]} (d = {d})" for d in args.dims),

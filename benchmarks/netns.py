@@ -1,6 +1,6 @@
 """An emulated cluster on one machine: hosts as Linux network namespaces joined by a bridge.
 
-Used by ``benchmarks/cluster.py``; facts behind the design are in ``shared/specs/horovod.md``
+Used by ``benchmarks/cluster.py``; facts behind the design are in ``docs/protocol.md``
 §12 ("Emulated multi-host runs"):
 
 * **Topology.** One Linux bridge in the root namespace (the driver's side, where ``horovodrun``

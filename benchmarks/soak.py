@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import report  # noqa: E402
-from horovod_aq.launcher import run_local  # noqa: E402
+from horovod_aq.tools.launcher import run_local  # noqa: E402
 
 
 def soak(steps: int, refit_every: int, sample_every: int) -> dict:

@@ -5,9 +5,9 @@
 
 **Training.** A small CNN (``benchmarks/models.py``: ``SmallCNN``, 281k parameters) trains on
 Fashion-MNIST (``benchmarks/fashion_mnist.py``; each rank its own shard of the 60k training
-images, batch 32 per rank) with 4 ranks under ``horovodrun`` (``horovod_aq.launcher.run_local``),
-SGD with momentum, **fp32 gradients averaged with a plain Horovod allreduce**. So every
-quantizer is measured on the same, unquantized trajectory.
+images, batch 32 per rank) with 4 ranks under ``horovodrun``
+(``horovod_aq.tools.launcher.run_local``), SGD with momentum, **fp32 gradients averaged with a
+plain Horovod allreduce**. So every quantizer is measured on the same, unquantized trajectory.
 
 **Measurement** (every ``--sample-every`` steps and at the last step). On each rank the local
 gradient is flattened network-wide in backward order (reverse registration order; buckets
@@ -204,7 +204,7 @@ def measure(steps: int, sample_every: int, bits_list: list[int], buckets: list[i
 
 
 def plot_grid(steps, means, refit_steps, bits_list, buckets, labels, path: Path) -> None:
-    from horovod_aq.plots import _pyplot
+    from horovod_aq.tools.plots import _pyplot
 
     plt = _pyplot()
     fig, axes = plt.subplots(len(bits_list), len(buckets), squeeze=False,
@@ -280,7 +280,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from benchmarks import fashion_mnist
-    from horovod_aq.launcher import run_local
+    from horovod_aq.tools.launcher import run_local
 
     fashion_mnist.ensure_installed()
     models = args.models

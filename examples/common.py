@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 import horovod_aq
-from horovod_aq import exchange as xchg
+from horovod_aq.packed import cost as xchg
 from horovod_aq.telemetry import JsonlSink, Telemetry
 
 COMPRESSIONS = ["alq", "alqn", "alqg", "amq", "amqn", "qsgd", "qsgdinf", "nuqsgd", "terngrad",
@@ -170,7 +170,7 @@ def finish(args: argparse.Namespace, result: dict[str, Any], history: list[dict[
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
         json.dump({"summary": result, "epochs": history}, f, indent=2)
     try:
-        from horovod_aq import plots
+        from horovod_aq.tools import plots
     except ImportError:
         return
     files = [plots.plot_curves({f"{args.compression} {args.bits}-bit": history},

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (examples/common.py: flags, compressor factory, reports, plots)
 
 import horovod_aq.torch as aqt  # noqa: E402
-from horovod_aq.datasets import load_mnist_5k  # noqa: E402
+from horovod_aq.tools.datasets import load_mnist_5k  # noqa: E402
 
 
 class Net(nn.Module):

@@ -27,8 +27,8 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import horovod_aq.tensorflow as aqtf  # noqa: E402  (before Horovod's init: mpi4py under MPI)
-from horovod_aq.datasets import load_mnist_5k  # noqa: E402
 from horovod_aq.keras import broadcast_variables  # noqa: E402
+from horovod_aq.tools.datasets import load_mnist_5k  # noqa: E402
 
 
 def make_model() -> keras.Model:

@@ -13,6 +13,7 @@ from horovod_aq.compressors import (
     ALQN,
     AMQ,
     AMQN,
+    DQSGD,
     FP16,
     METHODS,
     NUQSGD,
@@ -24,6 +25,7 @@ from horovod_aq.compressors import (
     TernGrad,
     from_name,
 )
+from horovod_aq.error_feedback import ECQ, ErrorFeedback
 from horovod_aq.schedule import RefitSchedule
 from horovod_aq.telemetry import JsonlSink, StepRecord, Telemetry, TensorBoardSink
 
@@ -33,10 +35,5 @@ __all__ = [
     "ALQ", "ALQG", "ALQN", "AMQ", "AMQN", "FP16", "NUQSGD", "QSGD", "QSGDInf", "TernGrad",
     "NaturalDithering", "NoCompression", "Compressor", "METHODS", "from_name", "RefitSchedule",
     "Telemetry", "StepRecord", "JsonlSink", "TensorBoardSink", "__version__",
+    "DQSGD", "ErrorFeedback", "ECQ",
 ]
-
-from horovod_aq.dqsgd import DQSGD  # noqa: E402
-from horovod_aq.error_feedback import ECQ, ErrorFeedback  # noqa: E402
-
-METHODS["dqsgd"] = DQSGD
-__all__ += ["DQSGD", "ErrorFeedback", "ECQ"]

@@ -1,38 +1,47 @@
-"""ECQ-SGD error compensation around any quantizer.
+"""ECQ-SGD error compensation: an error memory held beside any quantizer.
 
-Spec: ``dynamic_and_error_feedback.md`` §2 (paper arXiv 1806.08054).
-
-Node p keeps an error memory h_p (h_p = 0 at the start). At each step:
+Source: docs/dynamic.md §2 (paper arXiv 1806.08054). Node p keeps an error memory h_p per fused
+bucket (h_p = 0 at the start). At each step:
 
     g̃_p = Q( g_p + α·h_p )          quantize the compensated gradient; g̃_p is what is sent
     h_p ← β·h_p + ( g_p − g̃_p )     accumulate the error of the *raw* gradient (no α·h term)
 
 With α = β = 1 this is classic error feedback, e ← (g + e) − Q(g + e). The defaults α = 0.2,
-β = 0.9 are the HiPress system's choice (the paper's values could not be checked; §2.4);
-quantizers with a large relative variance need small α (stability: α²γ + (β − α)² < 1, §2.3).
+β = 0.9 are the HiPress system's choice (docs/dynamic.md §2.4); quantizers with a large relative
+variance need small α (stability: α²γ + (β − α)² < 1, §2.3).
 
-The memory is keyed by a stable name — the packed integrations' fused-bucket names — stored in
-float32 on the gradient's device, never communicated, and part of ``state_dict()``. Error
-compensation makes the sent gradient biased, so the package's unbiasedness guarantee does not
-hold with it. Horovod's stock ``compression=`` hook passes no parameter identity, so
-:meth:`ErrorFeedback.compress` refuses with an explanation instead of keying memory by call order.
+Composition, as GRACE's Compressor/Memory split and PowerSGD's ``error_dict``:
+:class:`ErrorMemory` holds h and the two rules; :class:`ErrorFeedback` is what users pass as
+``compression=`` — a quantizer (:attr:`ErrorFeedback.quantizer`, which owns levels, bits, refits
+and random streams) plus an :class:`ErrorMemory` (:attr:`ErrorFeedback.error_memory`).
+Integrations ask for those two capabilities and never for the class.
 
-The arithmetic uses only ``+``, ``−`` and ``*`` so it serves torch tensors and eager TensorFlow
-tensors alike; integrations that must update memory inside a traced graph keep their own
-variables and call :meth:`compensate_value` / :meth:`updated_memory`.
+The memory is keyed by the packed integrations' fused-bucket names, stored in float32 on the
+gradient's device, never communicated except by a collective checkpoint
+(:func:`gather_memory` / :func:`select_memory`, docs/protocol.md §7). Error compensation makes
+the sent gradient biased, so the package's unbiasedness guarantee does not hold with it.
+Horovod's stock ``compression=`` hook passes no parameter identity, so
+:meth:`ErrorFeedback.compress` refuses with an explanation instead of keying memory by call
+order.
+
+The arithmetic uses only ``+``, ``−`` and ``*``, so it serves torch tensors and TensorFlow
+tensors alike (other tensor operations go through :mod:`horovod_aq.backend`); integrations that
+update memory inside a traced graph keep their own variables and call
+:meth:`ErrorMemory.compensate_value` / :meth:`ErrorMemory.updated_memory`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from horovod_aq.compressors import Compressor
-from horovod_aq.levels.table import LevelTable
-from horovod_aq.sync import Comm
+from horovod_aq.backend import backend_for
+from horovod_aq.compressors.base import Compressor, describe_fingerprint, settings_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -44,33 +53,22 @@ DIVERGENCE_RATIO = 10.0
 CHECK_EVERY = 50
 
 
-class ErrorFeedback(Compressor):
-    """``ErrorFeedback(inner, alpha=0.2, beta=0.9)`` (alias ``ECQ``): ECQ-SGD around ``inner``.
+class ErrorMemory:
+    """The per-bucket error memory h of one rank and the two ECQ-SGD rules."""
 
-    Everything about the quantizer (levels, bits, refits, random streams) is ``inner``'s; this
-    object adds the per-bucket memory h and the two update rules of the module docstring.
-    """
-
-    quantizes = True
-
-    def __init__(self, inner: Compressor, *, alpha: float = DEFAULT_ALPHA,
-                 beta: float = DEFAULT_BETA, reset_on_nonfinite: bool = True) -> None:
-        if not isinstance(inner, Compressor) or not inner.quantizes:
-            raise ValueError("ErrorFeedback wraps a quantizing horovod_aq compressor, e.g. "
-                             f"ErrorFeedback(horovod_aq.QSGD(bits=2)); got {inner!r}")
-        if isinstance(inner, ErrorFeedback):
-            raise ValueError("ErrorFeedback cannot wrap another ErrorFeedback")
-        for name, value in (("alpha", alpha), ("beta", beta)):
+    def __init__(self, *, alpha: float = DEFAULT_ALPHA, beta: float = DEFAULT_BETA,
+                 reset_on_nonfinite: bool = True, name: str = "ecq") -> None:
+        for arg, value in (("alpha", alpha), ("beta", beta)):
             if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-                raise ValueError(f"{name} must be in [0, 1], got {value}")
-        self.inner = inner
+                raise ValueError(f"{arg} must be in [0, 1], got {value}")
         self.alpha = float(alpha)
         self.beta = float(beta)
         self.reset_on_nonfinite = reset_on_nonfinite
+        self.name = name
+        #: Bucket name → h (a tensor of the gradient's framework, or a TF variable).
         self.memory: dict[str, Any] = {}
-        self._pending_memory: dict[str, np.ndarray] = {}
+        self._pending: dict[str, np.ndarray] = {}
         self._updates: dict[str, int] = {}
-        self._warned_stock = False
         self._warned_divergence = False
 
     # ---------------------------------------------------------------- the ECQ-SGD rules
@@ -83,21 +81,23 @@ class ErrorFeedback(Compressor):
         return self.beta * h + (x - x_hat)
 
     def compensate(self, key: str, x: Any) -> Any:
-        """Return g + α·h for the memory ``key`` (h = 0, allocated like ``x``, on first use)."""
-        h = self._memory_for(key, x)
+        """Return g + α·h for the memory ``key`` (h = 0 on first use)."""
+        h = self.saved(key, x)
         return x if h is None else self.compensate_value(x, h)
 
     def update(self, key: str, x: Any, x_hat: Any) -> None:
         """h ← β·h + (g − g̃) for ``key``; reset to zero (with a warning) if it became non-finite."""
         h = self.memory.get(key)
         new = (x - x_hat) if h is None else self.updated_memory(h, x, x_hat)
-        if self.reset_on_nonfinite and not _all_finite(new):
+        backend = backend_for(new)
+        if self.reset_on_nonfinite and not backend.all_finite(new):
             logger.warning("%s: error memory %r became non-finite; reset to zero", self.name, key)
             new = new * 0
         self.memory[key] = new
         count = self._updates[key] = self._updates.get(key, 0) + 1
         if count % CHECK_EVERY == 0 and not self._warned_divergence:
-            h_norm, g_norm = _norm(new), _norm(x)
+            h_norm = math.sqrt(backend.sum_of_squares(new))
+            g_norm = math.sqrt(backend_for(x).sum_of_squares(x))
             if g_norm > 0 and h_norm > DIVERGENCE_RATIO * g_norm:
                 self._warned_divergence = True
                 logger.warning(
@@ -106,182 +106,217 @@ class ErrorFeedback(Compressor):
                     "relative variance); lower alpha and use beta close to alpha",
                     self.name, key, h_norm / g_norm)
 
-    def _memory_for(self, key: str, x: Any) -> Any:
+    def saved(self, key: str, like: Any) -> Any:
+        """The memory of ``key``: in use, or loaded from a checkpoint when its shape matches
+        ``like`` (installed as a tensor of ``like``'s framework), else None."""
         h = self.memory.get(key)
-        if h is None and key in self._pending_memory:
-            saved = self._pending_memory.pop(key)
-            if tuple(saved.shape) == tuple(x.shape):
-                h = _like(x, saved)
-                self.memory[key] = h
+        if h is None and key in self._pending:
+            saved = self._pending.pop(key)
+            if tuple(saved.shape) == tuple(like.shape):
+                h = self.memory[key] = backend_for(like).like(like, saved)
             else:
                 logger.warning("%s: saved error memory %r has shape %s, gradient has %s; "
-                               "starting from zero", self.name, key, saved.shape, tuple(x.shape))
+                               "starting from zero", self.name, key, saved.shape,
+                               tuple(like.shape))
         return h
 
     def memory_norm(self) -> float:
         """‖h‖₂ over all buckets (telemetry)."""
-        total = 0.0
-        for h in self.memory.values():
-            a = _to_numpy(h).astype(np.float64)
-            total += float(np.dot(a.ravel(), a.ravel()))
-        return math.sqrt(total)
+        return math.sqrt(sum(backend_for(h).sum_of_squares(h) for h in self.memory.values()))
 
-    def reset_memory(self, reason: str = "") -> None:
-        if self.memory or self._pending_memory:
+    def reset(self, reason: str = "") -> None:
+        if self.memory or self._pending:
             logger.warning("%s: error-feedback memory reset%s", self.name,
                            f" ({reason})" if reason else "")
         self.memory.clear()
-        self._pending_memory.clear()
+        self._pending.clear()
 
-    # ---------------------------------------------------------------- delegation to inner
+    #: The pre-redesign name of :meth:`reset`.
+    reset_memory = reset
+
+    # ---------------------------------------------------------------- this rank's state
+    def local_state(self) -> dict[str, np.ndarray]:
+        """This rank's memory as float32 numpy arrays (loaded but unused entries included)."""
+        state = {k: backend_for(v).to_numpy(v).astype(np.float32) for k, v in self.memory.items()}
+        state.update({k: v for k, v in self._pending.items() if k not in state})
+        return state
+
+    def load_local_state(self, memory: dict[str, Any]) -> None:
+        """Replace the memory by a saved :meth:`local_state` (installed lazily, at first use)."""
+        self.memory.clear()
+        self._pending = {k: np.asarray(v, dtype=np.float32) for k, v in memory.items()}
+
+
+class ErrorFeedback:
+    """``ErrorFeedback(inner, alpha=0.2, beta=0.9)`` (alias ``ECQ``): ECQ-SGD around ``inner``.
+
+    Everything about the quantizer (levels, bits, refits, random streams) is ``inner``'s
+    (:attr:`quantizer`); this object adds an :class:`ErrorMemory` (:attr:`error_memory`).
+    Attributes it does not define are read from the memory, then from the quantizer, so
+    ``ef.table``, ``ef.bits``, ``ef.update(...)`` keep working.
+    """
+
+    quantizes = True
+    dynamic_width = False
+    fp16_wire = False
+
+    def __init__(self, inner: Compressor, *, alpha: float = DEFAULT_ALPHA,
+                 beta: float = DEFAULT_BETA, reset_on_nonfinite: bool = True) -> None:
+        if isinstance(inner, ErrorFeedback):
+            raise ValueError("ErrorFeedback cannot wrap another ErrorFeedback")
+        if not isinstance(inner, Compressor) or not inner.quantizes:
+            raise ValueError("ErrorFeedback wraps a quantizing horovod_aq compressor, e.g. "
+                             f"ErrorFeedback(horovod_aq.QSGD(bits=2)); got {inner!r}")
+        self.inner = inner
+        self.error_memory = ErrorMemory(alpha=alpha, beta=beta,
+                                        reset_on_nonfinite=reset_on_nonfinite,
+                                        name=f"ecq.{inner.name}")
+        self.dynamic_width = inner.dynamic_width
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("inner", "error_memory"):
+            raise AttributeError(name)
+        memory = self.__dict__.get("error_memory")
+        if memory is not None and hasattr(memory, name):
+            return getattr(memory, name)
+        return getattr(self.__dict__["inner"], name)
+
+    # ---------------------------------------------------------------- capabilities
     @property
-    def method(self) -> str:  # type: ignore[override]
+    def quantizer(self) -> Compressor:
+        return self.inner
+
+    @property
+    def name(self) -> str:
+        return f"ecq.{self.inner.name}"
+
+    @property
+    def method(self) -> str:
         return f"ecq-{self.inner.method}"
 
     @property
-    def adaptive(self) -> bool:  # type: ignore[override]
-        return self.inner.adaptive
-
-    bits = property(lambda self: self.inner.bits)
-    bucket_size = property(lambda self: self.inner.bucket_size)
-    norm = property(lambda self: self.inner.norm)
-    seed = property(lambda self: self.inner.seed)
-    schedule = property(lambda self: self.inner.schedule)
-    top_k = property(lambda self: self.inner.top_k)
-    nonfinite = property(lambda self: self.inner.nonfinite)
-    name = property(lambda self: f"ecq.{self.inner.name}")
-    _fw_state = property(lambda self: self.inner._fw_state)
-
-    @property
-    def step(self) -> int:  # type: ignore[override]
+    def step(self) -> int:
         return self.inner.step
 
     @step.setter
     def step(self, value: int) -> None:
         self.inner.step = value
 
-    @property
-    def table(self) -> LevelTable:
-        return self.inner.table
-
-    @property
-    def recording(self) -> bool:
-        return self.inner.recording
-
-    def set_table(self, table: LevelTable) -> None:
-        self.inner.set_table(table)
-
-    def add_table_listener(self, fn) -> None:
-        self.inner.add_table_listener(fn)
-
-    def initial_levels(self) -> np.ndarray:
-        return self.inner.initial_levels()
-
-    @property
-    def wants_histogram(self) -> bool:
-        return self.inner.wants_histogram
-
-    def record_stats(self, norms: np.ndarray, means: np.ndarray, stds: np.ndarray,
-                     histogram: np.ndarray | None = None) -> None:
-        self.inner.record_stats(norms, means, stds, histogram)
-
-    def record_gradient(self, x: np.ndarray) -> None:
-        self.inner.record_gradient(x)
-
-    def observe_aggregate(self, tensor: Any) -> None:
-        self.inner.observe_aggregate(tensor)
-
-    def end_step(self, comm: Comm) -> bool:
-        return self.inner.end_step(comm)
-
-    def refit(self, comm: Comm) -> bool:
-        return self.inner.refit(comm)
-
-    def warn_stock_once(self) -> None:
-        self.inner.warn_stock_once()
+    def stock_refusal(self, framework: str) -> str | None:
+        return ("ErrorFeedback needs to know which parameter a gradient belongs to, and Horovod's "
+                "compression= hook passes only the tensor. Use horovod_aq.torch."
+                "DistributedOptimizer or horovod_aq.tensorflow.DistributedGradientTape / "
+                "horovod_aq.keras.DistributedOptimizer (packed exchange), which keep the memory "
+                "per fused bucket.")
 
     def compress(self, tensor: Any) -> tuple[Any, Any]:
-        raise TypeError(
-            "ErrorFeedback needs to know which parameter a gradient belongs to, and Horovod's "
-            "compression= hook passes only the tensor. Use horovod_aq.torch.DistributedOptimizer "
-            "or horovod_aq.tensorflow.DistributedGradientTape / horovod_aq.keras."
-            "DistributedOptimizer (packed exchange), which keep the memory per fused bucket.")
+        raise TypeError(self.stock_refusal(""))
 
     def decompress(self, tensor: Any, ctx: Any) -> Any:
         return self.inner.decompress(tensor, ctx)
 
+    # ---------------------------------------------------------------- identity and state
     def config(self) -> dict[str, Any]:
-        return {**self.inner.config(), "error_feedback": {"alpha": self.alpha, "beta": self.beta}}
+        mem = self.error_memory
+        return {**self.inner.config(), "error_feedback": {"alpha": mem.alpha, "beta": mem.beta}}
 
     def fingerprint(self) -> np.ndarray:
-        fp = self.inner.fingerprint().copy()
-        fp[0] ^= int(round(self.alpha * 1e6)) * 1_000_003 + int(round(self.beta * 1e6))
-        return fp
+        q = self.inner
+        return settings_fingerprint(self.config(), q.bits, q.bucket_size, q.table, q.step)
 
     def describe_fingerprint(self, fp: np.ndarray) -> str:
-        return self.inner.describe_fingerprint(fp) + " (with error feedback)"
+        return describe_fingerprint(fp) + " (with error feedback)"
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"inner": self.inner.state_dict(), "alpha": self.alpha, "beta": self.beta,
-                 "memory": {k: _to_numpy(v).astype(np.float32) for k, v in self.memory.items()}}
-        state["memory"].update({k: v for k, v in self._pending_memory.items()
-                                if k not in state["memory"]})
-        return state
+        mem = self.error_memory
+        return {"inner": self.inner.state_dict(), "alpha": mem.alpha, "beta": mem.beta,
+                "memory": mem.local_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state.get("alpha"), state.get("beta")) != (self.alpha, self.beta):
+        mem = self.error_memory
+        if (state.get("alpha"), state.get("beta")) != (mem.alpha, mem.beta):
             raise ValueError(f"state_dict has alpha={state.get('alpha')}, "
                              f"beta={state.get('beta')}; "
-                             f"this ErrorFeedback has alpha={self.alpha}, beta={self.beta}")
+                             f"this ErrorFeedback has alpha={mem.alpha}, beta={mem.beta}")
         self.inner.load_state_dict(state["inner"])
-        self.memory.clear()
-        self._pending_memory = {k: np.asarray(v, dtype=np.float32)
-                                for k, v in state.get("memory", {}).items()}
+        mem.load_local_state(state.get("memory", {}))
 
     def __repr__(self) -> str:
-        return f"ErrorFeedback({self.inner!r}, alpha={self.alpha}, beta={self.beta})"
+        mem = self.error_memory
+        return f"ErrorFeedback({self.inner!r}, alpha={mem.alpha}, beta={mem.beta})"
 
 
 #: The ECQ-SGD paper's name for the method.
 ECQ = ErrorFeedback
 
 
-def _to_numpy(x: Any) -> np.ndarray:
-    if hasattr(x, "detach"):
-        return x.detach().cpu().numpy()
-    if hasattr(x, "numpy"):
-        return x.numpy()
-    return np.asarray(x)
+# -------------------------------------------------------------------- collective checkpoints
+def memory_layout(buckets: list[tuple[str, int]]) -> np.ndarray:
+    """[count, crc32 of "name:numel" lines] of the buckets whose memory is gathered."""
+    text = "\n".join(f"{k}:{n}" for k, n in buckets)
+    return np.array([[len(buckets), zlib.crc32(text.encode())]], dtype=np.int64)
 
 
-def _like(x: Any, value: np.ndarray) -> Any:
-    """``value`` as a tensor of ``x``'s framework, dtype float32 and device."""
-    module = type(x).__module__
-    if module.startswith("torch"):
-        import torch
+def gather_memory(
+    name: str,
+    local: dict[str, np.ndarray],
+    buckets: list[tuple[str, int]],
+    world: int,
+    allgather: Callable[[np.ndarray, str], np.ndarray],
+) -> dict[int, dict[str, np.ndarray]]:
+    """Every rank's memory of ``buckets`` ((name, numel), the same list on every rank; a bucket
+    without memory on a rank counts as zeros), as {rank: {bucket: float32 [numel]}}.
 
-        return torch.from_numpy(np.ascontiguousarray(value)).to(
-            device=x.device, dtype=torch.float32)
-    if module.startswith("tensorflow"):
-        import tensorflow as tf
+    ``allgather(rows [1, L], collective name) -> [world, L]`` is the framework's collective. The
+    first gathers the bucket layout, so that ranks holding different buckets all raise the same
+    error instead of waiting in different collectives (docs/protocol.md §7).
+    """
+    if world == 1:
+        return {0: dict(local)}
+    layouts = allgather(memory_layout(buckets), f"aq.efstate.{name}.layout")
+    if (layouts != layouts[0]).any():
+        raise ValueError(
+            f"{name}: the ranks hold error memory for different fused buckets "
+            f"(count, digest per rank: {layouts.tolist()}); call state_dict on every rank after "
+            "the same training steps")
+    out: dict[int, dict[str, np.ndarray]] = {r: {} for r in range(world)}
+    for key, numel in buckets:
+        mine = local.get(key)
+        mine = np.zeros(numel, np.float32) if mine is None else np.asarray(mine, np.float32)
+        rows = allgather(np.ascontiguousarray(mine.reshape(1, -1)), f"aq.efstate.{key}")
+        for r in range(world):
+            out[r][key] = np.asarray(rows[r]).copy()
+    return out
 
-        return tf.constant(value, dtype=tf.float32)
-    return np.asarray(value, dtype=np.float32)
+
+def collective_state_dict(compression: Any, buckets: list[tuple[str, int]], world: int,
+                          allgather: Callable[[np.ndarray, str], np.ndarray]) -> dict[str, Any]:
+    """``compression.state_dict()`` with error memory gathered from every rank (collective when
+    the compression carries memory and ``world`` > 1): ``"memory"`` is then empty,
+    ``"memory_by_rank"`` maps each rank to its memory and ``"world"`` is the set size."""
+    state = compression.state_dict()
+    if compression.error_memory is None:
+        return state
+    local = state.pop("memory")
+    state["memory"] = {}
+    state["memory_by_rank"] = gather_memory(compression.name, local, buckets, world, allgather)
+    state["world"] = world
+    return state
 
 
-def _norm(x: Any) -> float:
-    a = _to_numpy(x).astype(np.float64).ravel()
-    return float(np.sqrt(np.dot(a, a)))
-
-
-def _all_finite(x: Any) -> bool:
-    module = type(x).__module__
-    if module.startswith("torch"):
-        import torch
-
-        return bool(torch.isfinite(x).all())
-    if module.startswith("tensorflow"):
-        import tensorflow as tf
-
-        return bool(tf.reduce_all(tf.math.is_finite(x)))
-    return bool(np.all(np.isfinite(x)))
+def select_memory(compression: Any, state: dict[str, Any], rank: int, world: int) -> dict:
+    """The state to load on ``rank`` of a set of ``world`` ranks from a
+    :func:`collective_state_dict`: this rank's memory if the number of ranks is unchanged, else
+    none (with a warning; levels and steps are kept). Rank keys may be ints or strings (JSON)."""
+    if compression.error_memory is None or "memory_by_rank" not in state:
+        return state
+    state = dict(state)
+    by_rank, saved_world = state.pop("memory_by_rank"), int(state.pop("world"))
+    if saved_world == world:
+        state["memory"] = by_rank.get(rank, by_rank.get(str(rank), {}))
+    else:
+        logger.warning("%s: error-feedback memory was saved with %d ranks and this job has %d: "
+                       "it restarts from zero (levels and steps are kept)", compression.name,
+                       saved_world, world)
+        state["memory"] = {}
+    return state

@@ -8,7 +8,7 @@ ran 50 interleaved mpi4py/Horovod collectives cleanly in every launch.
 
 So the framework integrations call :func:`preinit` when they are imported: under an MPI launcher,
 before Horovod is initialized, it imports ``mpi4py.MPI``. The refit protocol uses mpi4py
-(:class:`horovod_aq.sync.MPIComm`) only when :func:`mpi4py_owns_mpi` says mpi4py initialized MPI;
+(:class:`horovod_aq.refit.MPIComm`) only when :func:`mpi4py_owns_mpi` says mpi4py initialized MPI;
 otherwise it falls back to Horovod's own collectives, which are correct under either controller.
 """
 

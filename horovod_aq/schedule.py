@@ -1,4 +1,4 @@
-"""When adaptive level tables are refitted (``quantizers.md`` §9).
+"""When adaptive level tables are refitted (``docs/quantizers.md`` §9).
 
 The schedule is a deterministic function of the global step, so every rank refits at the same
 step without talking about it. A refit at step t uses the statistics of the gradients computed
@@ -75,7 +75,7 @@ _T_SEARCH = (1e-9, 1e9)
 
 
 def dqsgd_bits(t: float, norm: float) -> float:
-    """Unrounded DQSGD bit width (``dynamic_and_error_feedback.md`` §1.3, non-convex case):
+    """Unrounded DQSGD bit width (``docs/dynamic.md`` §1.3, non-convex case):
 
         B = log₂(t·‖g‖_p + 1) + 1
     """

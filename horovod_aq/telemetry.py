@@ -5,8 +5,8 @@ The packed integrations fill one :class:`StepRecord` per optimizer step and hand
 forwards each record to its sinks: :class:`JsonlSink` (one JSON object per line, the default
 for scripts) and :class:`TensorBoardSink` (torch's ``SummaryWriter`` or ``tf.summary``, when
 available). ``bytes_sent`` counts what this rank puts on the wire for gradients in one step
-(ring algorithms, ``horovod.md`` §5.3); ``bytes_fp32`` is what a fp32 ring allreduce of the same
-gradients would send, so ``compression_ratio = bytes_fp32 / bytes_sent``.
+(ring algorithms, ``docs/protocol.md`` §5.3); ``bytes_fp32`` is what a fp32 ring allreduce of the
+same gradients would send, so ``compression_ratio = bytes_fp32 / bytes_sent``.
 """
 
 from __future__ import annotations

@@ -58,6 +58,41 @@ def test_header_layout_matches_the_documented_offsets():
     assert header.num_buckets == 1954 and header.codes_offset == 32 + 4 * 1954
 
 
+def test_format_constants_agree_with_the_header_struct():
+    from horovod_aq.codec import format as fmt
+
+    assert fmt.HEADER_SIZE == struct.calcsize(fmt.HEADER_FORMAT) == 32
+    codes = ["2s", "B", "B", "B", "B", "H", "I", "I", "I", "Q", "I"]
+    assert fmt.HEADER_FORMAT == "<" + "".join(codes) and len(fmt.HEADER_FIELDS) == len(codes)
+    for i, (field, code) in enumerate(zip(fmt.HEADER_FIELDS.values(), codes)):
+        assert field.start == struct.calcsize("<" + "".join(codes[:i]))
+        assert field.stop - field.start == struct.calcsize("<" + code)
+    assert fmt.HEADER_FIELDS["magic"].stop - fmt.HEADER_FIELDS["magic"].start == len(fmt.MAGIC)
+    assert fmt.FLAGS_OFFSET == fmt.HEADER_FIELDS["flags"].start == 5
+    # TABLE_ID_SLICE: exactly the level-table version and hash (the bytes a refit changes).
+    assert fmt.TABLE_ID_SLICE == slice(8, 16)
+    assert (fmt.HEADER_FIELDS["level-table version"].start, fmt.HEADER_FIELDS[
+        "level-table hash"].stop) == (fmt.TABLE_ID_SLICE.start, fmt.TABLE_ID_SLICE.stop)
+    # MARKER_INDEX_OFFSET: the last u32, a marker's first bad element.
+    assert fmt.MARKER_INDEX_OFFSET == fmt.HEADER_SIZE - struct.calcsize("<I") == 28
+    table = exp_table(3).with_version(7)
+    raw = codec.make_header(10, table, 4, "l2")
+    assert struct.unpack("<II", raw[fmt.TABLE_ID_SLICE]) == (7, table.hash)
+    marker = codec.nonfinite_payload(10, table, 4, "l2", 6)
+    assert marker[fmt.FLAGS_OFFSET] == codec.FLAG_NONFINITE
+    assert struct.unpack_from("<I", marker, fmt.MARKER_INDEX_OFFSET)[0] == 6
+    assert codec.NORM_BYTES == struct.calcsize("<f")
+
+
+def test_the_package_reexports_its_modules():
+    from horovod_aq.codec import bits, reference
+    from horovod_aq.codec import format as fmt
+
+    for module in (bits, fmt, reference):
+        for name in module.__all__:
+            assert name in codec.__all__ and getattr(codec, name) is getattr(module, name)
+
+
 @pytest.mark.parametrize("bits", range(1, 9))
 @pytest.mark.parametrize("n, bucket", [(0, 4), (1, 1), (1, 512), (7, 3), (64, 64), (1000, 64),
                                        (1001, 7), (4097, 4096)])

@@ -9,74 +9,69 @@ import numpy as np
 import pytest
 
 import horovod_aq
-from horovod_aq import codec, exchange
+from horovod_aq import codec
 from horovod_aq.levels import LevelTable
+from horovod_aq.packed import cost, plan
+from horovod_aq.packed.protocol import ConfigMismatchError, check_handshake, handshake_vector
+from horovod_aq.refit import FIT_OK, LocalComm, agree_on_table
 from horovod_aq.schedule import RefitSchedule
-from horovod_aq.sync import (
-    FIT_OK,
-    ConfigMismatchError,
-    LocalComm,
-    agree_on_table,
-    check_handshake,
-    handshake_vector,
-)
 from horovod_aq.telemetry import JsonlSink, StepRecord, Telemetry
 
 
 # --------------------------------------------------------------------------- exchange
 @pytest.mark.parametrize("numel, bits, bucket", [(1, 3, 512), (1000, 1, 7), (12345, 8, 8192)])
 def test_payload_bytes_matches_the_codec(numel, bits, bucket):
-    assert exchange.payload_bytes(numel, bits, bucket) == codec.payload_size(numel, bits, bucket)
-    assert exchange.HEADER_BYTES == codec.HEADER_SIZE
+    assert cost.payload_bytes(numel, bits, bucket) == codec.payload_size(numel, bits, bucket)
+    assert cost.payload_bytes is codec.payload_size  # one definition of the payload size
 
 
 def test_bytes_sent_formulas():
     n, b, B = 1_000_000, 3, 1024
-    s = exchange.payload_bytes(n, b, B)
-    assert exchange.bytes_sent("allgather", n, b, B, 4) == 3 * s
-    assert exchange.bytes_sent("allreduce_fp32", n, 0, 1, 4) == 6 * n        # 2(P−1)/P·4n
-    assert exchange.bytes_sent("allreduce_fp16", n, 0, 1, 4) == 3 * n
-    m = exchange.chunk_numel(n, 4, B)
+    s = cost.payload_bytes(n, b, B)
+    assert cost.bytes_sent("allgather", n, b, B, 4) == 3 * s
+    assert cost.bytes_sent("allreduce_fp32", n, 0, 1, 4) == 6 * n        # 2(P−1)/P·4n
+    assert cost.bytes_sent("allreduce_fp16", n, 0, 1, 4) == 3 * n
+    m = cost.chunk_numel(n, 4, B)
     assert m % B == 0 and 4 * m >= n and 4 * (m - B) < n                   # whole buckets
-    assert exchange.bytes_sent("two_phase", n, b, B, 4) == 2 * 3 * exchange.payload_bytes(m, b, B)
-    assert exchange.bytes_sent("allgather", n, b, B, 1) == 0
+    assert cost.bytes_sent("two_phase", n, b, B, 4) == 2 * 3 * cost.payload_bytes(m, b, B)
+    assert cost.bytes_sent("allgather", n, b, B, 1) == 0
     with pytest.raises(ValueError, match="unknown exchange mode"):
-        exchange.bytes_sent("ring", n, b, B, 4)
+        cost.bytes_sent("ring", n, b, B, 4)
 
 
 def test_two_phase_bytes_do_not_grow_with_ranks():
     n, b, B = 4_000_000, 3, 1024
-    per_coord = [exchange.bytes_sent("two_phase", n, b, B, p) / n for p in (4, 16, 64)]
+    per_coord = [cost.bytes_sent("two_phase", n, b, B, p) / n for p in (4, 16, 64)]
     assert max(per_coord) < 0.8                     # ≈ 2(P−1)/P·(b/8 + 4/B) ≤ 0.76
-    assert exchange.bytes_sent("allgather", n, b, B, 64) / n > 20
+    assert cost.bytes_sent("allgather", n, b, B, 64) / n > 20
 
 
 @pytest.mark.parametrize("ranks, expected", [(1, "allgather"), (2, "allgather"),
                                              (16, "two_phase"), (64, "two_phase")])
 def test_choose_exchange_rules(ranks, expected):
-    assert exchange.choose_exchange(10_000_000, 3, 1024, ranks) == expected
+    assert cost.choose_exchange(10_000_000, 3, 1024, ranks) == expected
 
 
 def test_choose_exchange_follows_the_model():
-    fast_net = exchange.NetworkModel(bandwidth=1e12, latency=0.0, codec_cost=1e-9)
-    slow_net = exchange.NetworkModel(bandwidth=1e6, latency=0.0, codec_cost=0.0)
+    fast_net = cost.NetworkModel(bandwidth=1e12, latency=0.0, codec_cost=1e-9)
+    slow_net = cost.NetworkModel(bandwidth=1e6, latency=0.0, codec_cost=0.0)
     n = 1_000_000
     # with free bandwidth the smaller decode work wins; with a slow link the smaller bytes
-    assert exchange.choose_exchange(n, 3, 1024, 8, fast_net) == "two_phase"
-    assert exchange.choose_exchange(n, 3, 1024, 8, slow_net) == "two_phase"
-    expensive_latency = exchange.NetworkModel(bandwidth=1e12, latency=1.0, codec_cost=0.0)
-    assert exchange.choose_exchange(n, 3, 1024, 4, expensive_latency) == "allgather"
+    assert cost.choose_exchange(n, 3, 1024, 8, fast_net) == "two_phase"
+    assert cost.choose_exchange(n, 3, 1024, 8, slow_net) == "two_phase"
+    expensive_latency = cost.NetworkModel(bandwidth=1e12, latency=1.0, codec_cost=0.0)
+    assert cost.choose_exchange(n, 3, 1024, 4, expensive_latency) == "allgather"
     for p in range(3, 16):
-        t_ag = exchange.estimate_seconds("allgather", n, 3, 1024, p)
-        t_tp = exchange.estimate_seconds("two_phase", n, 3, 1024, p)
-        assert exchange.choose_exchange(n, 3, 1024, p) == ("two_phase" if t_tp < t_ag
+        t_ag = cost.estimate_seconds("allgather", n, 3, 1024, p)
+        t_tp = cost.estimate_seconds("two_phase", n, 3, 1024, p)
+        assert cost.choose_exchange(n, 3, 1024, p) == ("two_phase" if t_tp < t_ag
                                                             else "allgather")
 
 
 def test_resolve_exchange_validates():
-    assert exchange.resolve_exchange("allgather", 10, 3, 4, 8) == "allgather"
+    assert cost.resolve_exchange("allgather", 10, 3, 4, 8) == "allgather"
     with pytest.raises(ValueError, match="exchange must be one of"):
-        exchange.resolve_exchange("ring", 10, 3, 4, 8)
+        cost.resolve_exchange("ring", 10, 3, 4, 8)
 
 
 def test_plan_buckets_is_deterministic_and_respects_the_cap():
@@ -84,19 +79,19 @@ def test_plan_buckets_is_deterministic_and_respects_the_cap():
     numels = [500, 300, 10, 800, 200, 5]
     kw = dict(prefix="alq.o0", cap_numel=1000, small_threshold=20, quantizes=True,
               exchange="auto", bits=3, bucket_size=64, ranks=2)
-    plans, small = exchange.plan_buckets(names, numels, ["cpu"] * 6, **kw)
+    plans, small = plan.plan_buckets(names, numels, ["cpu"] * 6, **kw)
     assert small == [2, 5]                                  # below the small-tensor threshold
     assert [p.members for p in plans] == [(0, 1), (3, 4)]
     assert all(p.numel <= 1000 for p in plans)
-    again, _ = exchange.plan_buckets(names, numels, ["cpu"] * 6, **kw)
+    again, _ = plan.plan_buckets(names, numels, ["cpu"] * 6, **kw)
     assert [p.name for p in again] == [p.name for p in plans]
-    renamed, _ = exchange.plan_buckets(["x"] + names[1:], numels, ["cpu"] * 6, **kw)
+    renamed, _ = plan.plan_buckets(["x"] + names[1:], numels, ["cpu"] * 6, **kw)
     assert renamed[0].name != plans[0].name                 # names follow the parameters
-    assert exchange.layout_digest(plans, ["a"]) != exchange.layout_digest(renamed, ["a"])
-    none, all_small = exchange.plan_buckets(names, numels, ["cpu"] * 6,
+    assert plan.layout_digest(plans, ["a"]) != plan.layout_digest(renamed, ["a"])
+    none, all_small = plan.plan_buckets(names, numels, ["cpu"] * 6,
                                             **{**kw, "quantizes": False})
     assert none == [] and all_small == list(range(6))
-    per_device, _ = exchange.plan_buckets(names[:2], numels[:2], ["cpu", "cuda:0"], **kw)
+    per_device, _ = plan.plan_buckets(names[:2], numels[:2], ["cpu", "cuda:0"], **kw)
     assert len(per_device) == 2
 
 
@@ -122,7 +117,8 @@ def test_agree_on_table_fits_on_the_root_from_every_rank():
     rng = np.random.default_rng(0)
     comp = horovod_aq.ALQ(bits=3, bucket_size=256)
     def stats(x):
-        return horovod_aq.levels.bucket_stats(x, 256, histogram=True).to_array(comp.top_k)
+        summary = horovod_aq.levels.BucketStats.from_gradient(x, 256, histogram=True)
+        return summary.to_array(comp.top_k)
 
     mine, theirs = stats(rng.standard_normal(256 * 40)), stats(rng.standard_t(3, 256 * 40))
     seen = []

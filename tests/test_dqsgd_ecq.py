@@ -7,9 +7,9 @@ import pytest
 
 import horovod_aq
 from horovod_aq import codec
+from horovod_aq.refit import LocalComm
 from horovod_aq.schedule import DQSGDRule, dqsgd_bits
-from horovod_aq.simulate import LeastSquares, run_sgd
-from horovod_aq.sync import LocalComm
+from horovod_aq.tools.simulate import LeastSquares, run_sgd
 
 
 def _drive(rule: DQSGDRule, norms) -> list[int]:

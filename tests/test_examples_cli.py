@@ -11,8 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from horovod_aq import cli, exchange
-from horovod_aq.launcher import RANK_ENV, _horovodrun
+from horovod_aq.packed import cost
+from horovod_aq.tools import cli
+from horovod_aq.tools.launcher import RANK_ENV, _horovodrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE_TIMEOUT = 600
@@ -45,7 +46,7 @@ def test_example_alq(tmp_path, script):
     assert tele, "rank 0 wrote no telemetry"
     # one fused bucket holds every parameter; allgather on 2 ranks: bytes sent = (P−1)·payload
     numel = tele[0]["numel_quantized"]
-    payload = exchange.payload_bytes(numel, 3, 1024)
+    payload = cost.payload_bytes(numel, 3, 1024)
     for rec in tele:
         assert rec["payload_bytes"] == payload
         assert rec["bytes_sent"] == payload

@@ -1,4 +1,4 @@
-"""The truncated-normal mixture model (spec quantizers.md §5, §6 closed forms)."""
+"""The truncated-normal mixture model (spec docs/quantizers.md §5, §6 closed forms)."""
 
 from __future__ import annotations
 
@@ -211,3 +211,26 @@ def test_pooled_normal_matches_raw_coordinates() -> None:
         TruncatedNormalMixture.from_pooled_sums(0, 0.0, 0.0)
     with pytest.raises(ValueError, match="finite"):
         TruncatedNormalMixture.from_pooled_sums(10, np.nan, 0.0)
+
+
+def test_both_families_implement_the_distribution_protocol() -> None:
+    from horovod_aq.levels import Distribution, HistogramDistribution, Law
+
+    mixture = TruncatedNormalMixture(*MIXTURES["multi"])
+    histogram = HistogramDistribution([-1.0, -0.2, 0.3, 1.0], [1.0, 0.0, 2.0])
+    L = np.array([[-1.0, -0.5, 0.1, 0.6, 1.0], [-1.0, -0.9, 0.0, 0.2, 1.0]])
+    c, d = L[:, :-1], L[:, 1:]
+    for F in (mixture, histogram):
+        assert isinstance(F, Distribution) and isinstance(F, Law)
+        G = F.folded()
+        assert isinstance(G, Law) and not isinstance(G, Distribution)
+        M0, U, S, f = F.table_terms(L)
+        m0, m1, _ = F.partial_moments(c, d)
+        np.testing.assert_allclose(M0, m0, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(U, m1 - c * m0, rtol=1e-10, atol=1e-13)
+        np.testing.assert_allclose(S, F.segment_cost(c, d), rtol=1e-12, atol=1e-16)
+        np.testing.assert_allclose(f, F.pdf(L), rtol=1e-14)
+        np.testing.assert_allclose(F.table_variance(L), S.sum(axis=1), rtol=1e-14)
+        x = F.companding_positions(np.array([0.25, 0.5, 0.75]))
+        assert np.all(np.diff(x) > 0) and np.all((x > -1.0) & (x < 1.0))
+    assert not isinstance([0.0, 0.1], Distribution)

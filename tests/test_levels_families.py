@@ -1,4 +1,4 @@
-"""Fixed level families (spec quantizers.md §2) and the table-repair helper."""
+"""Fixed level families (spec docs/quantizers.md §2) and the table-repair helper."""
 
 from __future__ import annotations
 

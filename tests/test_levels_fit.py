@@ -1,4 +1,4 @@
-"""Level fitting: ALQ, ALQ-N, ALQ-G, AMQ, AMQ-N (spec quantizers.md §7, §8, §13)."""
+"""Level fitting: ALQ, ALQ-N, ALQ-G, AMQ, AMQ-N (spec docs/quantizers.md §7, §8, §13)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import pytest
 from scipy.optimize import minimize
 
 from horovod_aq.levels import (
+    BucketStats,
     LevelTable,
     TruncatedNormalMixture,
     alq_descent,
     alq_initializations,
     amq_multiplier,
     amq_variance,
-    bucket_stats,
     expected_variance,
     exponential,
     fit_alq,
@@ -31,7 +31,7 @@ def _bucket_mixture() -> TruncatedNormalMixture:
     """A mixture as the package builds it: 30 buckets of 512 heavy-tailed coordinates."""
     rng = np.random.default_rng(8)
     g = rng.standard_t(3, size=(30, 512)) * np.exp(rng.normal(size=(30, 1))) + 0.2
-    return bucket_stats(g.ravel(), 512).mixture()
+    return BucketStats.from_gradient(g.ravel(), 512).mixture()
 
 
 DISTRIBUTIONS = {
@@ -157,7 +157,7 @@ def test_section_13_amq_and_ordering() -> None:
 
 def test_alq_n_uses_the_pooled_normal() -> None:
     rng = np.random.default_rng(12)
-    st = bucket_stats(rng.normal(size=64 * 256), 256)
+    st = BucketStats.from_gradient(rng.normal(size=64 * 256), 256)
     N = st.pooled_normal()
     L = fit_alq(N, 3)
     # buckets of i.i.d. normals: the pooled normal is ≈ TN(0, 1/16), and ALQ-N beats E-ref on it

@@ -1,5 +1,5 @@
 """The empirical (histogram) model of normalized coordinates and its use by the fitters
-(spec quantizers.md §3, §5.1 extension, §6, §7, §8, §10)."""
+(spec docs/quantizers.md §3, §5.1 extension, §6, §7, §8, §10)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from horovod_aq.levels import (
     alq_initializations,
     amq_multiplier,
     amq_variance,
-    bucket_stats,
     entropy,
     expected_variance,
     exponential,
@@ -504,7 +503,7 @@ def test_empirical_objective_identity(B: int) -> None:
     h = normalized_histogram(x, B)
     total = math.fsum(h)
     F = HistogramDistribution(histogram_edges(), h)
-    mixture = bucket_stats(x, B).mixture()
+    mixture = BucketStats.from_gradient(x, B).mixture()
     tables = {
         "alq_hist": fit_alq(F, 3),
         "alq_hist_sym": fit_alq(F, 3, symmetric=True),
@@ -612,7 +611,7 @@ def test_bucket_stats_histogram_roundtrip_and_merge() -> None:
     rng = np.random.default_rng(6)
     B = 32
     ranks = [_sparse_heavy(rng, n * B + t, 2.5, 0.3) for n, t in ((7, 5), (12, 0), (5, 31))]
-    parts = [bucket_stats(g, B, top_k=6, histogram=True) for g in ranks]
+    parts = [BucketStats.from_gradient(g, B, top_k=6, histogram=True) for g in ranks]
     for g, st in zip(ranks, parts):
         np.testing.assert_array_equal(st.histogram, normalized_histogram(g, B))
         assert not st.histogram.flags.writeable
@@ -636,7 +635,7 @@ def test_bucket_stats_histogram_roundtrip_and_merge() -> None:
         merged.sum_sq_dev,
     )
     # without a histogram: the old length; a zero block on request
-    plain = bucket_stats(ranks[0], B, top_k=6)
+    plain = BucketStats.from_gradient(ranks[0], B, top_k=6)
     assert plain.histogram is None and plain.to_array(6).shape == (3 * 6 + 4,)
     padded = plain.to_array(6, include_histogram=True)
     assert padded.shape == (3 * 6 + 4 + HISTOGRAM_BINS,)
@@ -652,7 +651,7 @@ def test_bucket_stats_histogram_roundtrip_and_merge() -> None:
     np.testing.assert_allclose(F.weights, merged.histogram / merged.histogram.sum(), rtol=1e-14)
     with pytest.raises(ValueError, match="no histogram"):
         plain.histogram_model()
-    empty = bucket_stats(np.zeros(4 * B), B, histogram=True)
+    empty = BucketStats.from_gradient(np.zeros(4 * B), B, histogram=True)
     assert empty.histogram is not None and not np.any(empty.histogram)
     with pytest.raises(ValueError, match="empty"):
         empty.histogram_model()

@@ -1,4 +1,4 @@
-"""Per-bucket statistics, their exchange format and merge (spec quantizers.md §5.1, §5.2, §5.4)."""
+"""Per-bucket statistics, their exchange format and merge (docs/quantizers.md §5.1, §5.2, §5.4)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 from horovod_aq.levels import (
     BucketStats,
     TruncatedNormalMixture,
+    bucket_moments,
     bucket_stats,
     fit_alq,
     validate_levels,
@@ -25,7 +26,7 @@ def test_bucket_stats_definition() -> None:
     B = 64
     x = _gradient(rng, 6, B, tail=17)
     x[2 * B : 3 * B] = 0.0  # a zero bucket is skipped
-    st = bucket_stats(x, B)
+    st = BucketStats.from_gradient(x, B)
     full = x[: 6 * B].reshape(6, B)
     keep = np.array([0, 1, 3, 4, 5])
     v = full[keep]
@@ -45,11 +46,44 @@ def test_bucket_stats_definition() -> None:
     np.testing.assert_allclose(st.stds**2, (1 - B * st.means**2) / (B - 1), rtol=1e-10)
 
 
+def test_bucket_moments_is_the_definition_behind_from_gradient() -> None:
+    rng = np.random.default_rng(5)
+    B = 48
+    x = _gradient(rng, 9, B, tail=11).astype(np.float32)
+    x[4 * B : 5 * B] = 0.0
+    norms, means, stds = bucket_moments(x, B)
+    assert all(a.dtype == np.float64 and a.shape == (8,) for a in (norms, means, stds))
+    v = np.delete(x[: 9 * B].astype(np.float64).reshape(9, B), 4, axis=0)  # bucket order
+    u = v / np.linalg.norm(v, axis=1, keepdims=True)
+    np.testing.assert_allclose(norms, np.linalg.norm(v, axis=1), rtol=1e-14)
+    np.testing.assert_allclose(means, u.mean(axis=1), rtol=1e-12, atol=1e-17)
+    np.testing.assert_allclose(stds, u.std(axis=1, ddof=1), rtol=1e-12)
+    st = BucketStats.from_gradient(x, B, top_k=5)
+    ref = BucketStats.from_buckets(norms, means, stds, B, top_k=5)
+    for name in ("norms", "means", "stds"):
+        assert np.array_equal(getattr(st, name), getattr(ref, name))
+    assert (st.count, st.sum_u, st.sum_sq_dev) == (ref.count, ref.sum_u, ref.sum_sq_dev)
+    empty = bucket_moments(np.zeros(3 * B), B)
+    assert all(a.shape == (0,) for a in empty)
+    with pytest.raises(ValueError, match="non-finite"):
+        bucket_moments(np.array([1.0, np.nan]), 2)
+    with pytest.raises(ValueError, match="bucket_size"):
+        bucket_moments(np.ones(4), 1)
+
+
+def test_bucket_stats_is_a_deprecated_alias_of_from_gradient() -> None:
+    x = _gradient(np.random.default_rng(6), 12, 32, tail=3)
+    with pytest.warns(DeprecationWarning, match="from_gradient"):
+        old = bucket_stats(x, 32, top_k=4, histogram=True)
+    new = BucketStats.from_gradient(x, 32, top_k=4, histogram=True)
+    assert np.array_equal(old.to_array(4), new.to_array(4))
+
+
 def test_top_k_and_canonical_order() -> None:
     rng = np.random.default_rng(1)
     x = _gradient(rng, 40, 32)
-    all_stats = bucket_stats(x, 32)
-    top = bucket_stats(x, 32, top_k=10)
+    all_stats = BucketStats.from_gradient(x, 32)
+    top = BucketStats.from_gradient(x, 32, top_k=10)
     np.testing.assert_array_equal(top.norms, all_stats.norms[:10])
     assert np.all(np.diff(all_stats.norms) <= 0)
     # the pooled sums still use every nonzero bucket
@@ -83,9 +117,9 @@ def test_chunking_does_not_change_the_result(monkeypatch: pytest.MonkeyPatch) ->
     import horovod_aq.levels.stats as stats_module
 
     x = _gradient(np.random.default_rng(9), 25, 32, tail=5)
-    whole = bucket_stats(x, 32)
+    whole = BucketStats.from_gradient(x, 32)
     monkeypatch.setattr(stats_module, "_STATS_CHUNK", 100)  # 3 buckets per chunk
-    chunked = bucket_stats(x, 32)
+    chunked = BucketStats.from_gradient(x, 32)
     for name in ("norms", "means", "stds"):
         assert np.array_equal(getattr(chunked, name), getattr(whole, name))
     assert (chunked.count, chunked.sum_u, chunked.sum_sq_dev) == (
@@ -97,19 +131,22 @@ def test_chunking_does_not_change_the_result(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_bucket_stats_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="non-finite"):
-        bucket_stats(np.array([1.0, np.nan, 2.0, 3.0]), 2)
+        BucketStats.from_gradient(np.array([1.0, np.nan, 2.0, 3.0]), 2)
     with pytest.raises(ValueError, match="non-finite"):  # also in the skipped partial tail
-        bucket_stats(np.array([1.0, 2.0, 3.0, np.inf]), 3)
+        BucketStats.from_gradient(np.array([1.0, 2.0, 3.0, np.inf]), 3)
     with pytest.raises(ValueError, match="numeric"):
-        bucket_stats(np.array(["a", "b"]), 2)
+        BucketStats.from_gradient(np.array(["a", "b"]), 2)
     with pytest.raises(ValueError, match="bucket_size"):
-        bucket_stats(np.ones(8), 1)
+        BucketStats.from_gradient(np.ones(8), 1)
     with pytest.raises(ValueError, match="bucket_size"):
-        bucket_stats(np.ones(8), 2.5)
+        BucketStats.from_gradient(np.ones(8), 2.5)
 
 
 def test_empty_statistics_raise_with_a_hint() -> None:
-    for st in (bucket_stats(np.zeros(64), 16), bucket_stats(np.ones(10), 16)):
+    for st in (
+        BucketStats.from_gradient(np.zeros(64), 16),
+        BucketStats.from_gradient(np.ones(10), 16),
+    ):
         assert len(st) == 0 and st.count == 0
         with pytest.raises(ValueError, match="no nonzero full bucket"):
             st.mixture()
@@ -121,9 +158,9 @@ def test_merge_equals_global_statistics_and_ignores_order() -> None:
     rng = np.random.default_rng(2)
     B = 32
     ranks = [_gradient(rng, n, B) for n in (7, 12, 5, 9)]
-    parts = [bucket_stats(g, B, top_k=6) for g in ranks]
+    parts = [BucketStats.from_gradient(g, B, top_k=6) for g in ranks]
     merged = BucketStats.merge(parts, top_k=6)
-    whole = bucket_stats(np.concatenate(ranks), B, top_k=6)
+    whole = BucketStats.from_gradient(np.concatenate(ranks), B, top_k=6)
     np.testing.assert_array_equal(merged.norms, whole.norms)
     np.testing.assert_array_equal(merged.means, whole.means)
     assert merged.count == whole.count
@@ -139,14 +176,14 @@ def test_merge_equals_global_statistics_and_ignores_order() -> None:
             merged.sum_sq_dev,
         )
     with pytest.raises(ValueError, match="bucket sizes"):
-        BucketStats.merge([parts[0], bucket_stats(ranks[1], 16)])
+        BucketStats.merge([parts[0], BucketStats.from_gradient(ranks[1], 16)])
     with pytest.raises(ValueError):
         BucketStats.merge([])
 
 
 def test_fixed_size_array_roundtrip() -> None:
     rng = np.random.default_rng(3)
-    st = bucket_stats(_gradient(rng, 5, 16), 16)
+    st = BucketStats.from_gradient(_gradient(rng, 5, 16), 16)
     arr = st.to_array(8)  # more slots than rows: padded with zero-norm rows
     assert arr.shape == (3 * 8 + 4,) and arr.dtype == np.float64
     back = BucketStats.from_array(arr)
@@ -161,7 +198,7 @@ def test_fixed_size_array_roundtrip() -> None:
     short = BucketStats.from_array(st.to_array(2))  # fewer slots: the largest norms survive
     np.testing.assert_array_equal(short.norms, st.norms[:2])
     assert short.count == st.count
-    empty = BucketStats.from_array(bucket_stats(np.zeros(32), 16).to_array(4))
+    empty = BucketStats.from_array(BucketStats.from_gradient(np.zeros(32), 16).to_array(4))
     assert len(empty) == 0
     with pytest.raises(ValueError, match="length"):
         BucketStats.from_array(np.zeros(9))
@@ -171,7 +208,7 @@ def test_fixed_size_array_roundtrip() -> None:
 
 def test_mixture_and_pooled_normal() -> None:
     rng = np.random.default_rng(4)
-    st = bucket_stats(_gradient(rng, 20, 128), 128, top_k=8)
+    st = BucketStats.from_gradient(_gradient(rng, 20, 128), 128, top_k=8)
     F = st.mixture()
     assert isinstance(F, TruncatedNormalMixture) and F.n_components == 8
     np.testing.assert_allclose(F.weights, st.norms**2 / np.sum(st.norms**2), rtol=1e-14)
@@ -189,7 +226,7 @@ def test_degenerate_buckets_give_valid_tables() -> None:
     one_hot[5] = -2.0
     cases.append(one_hot)
     for x in cases:
-        st = bucket_stats(x, B)
+        st = BucketStats.from_gradient(x, B)
         assert len(st) == 1
         for F in (st.mixture(), st.pooled_normal()):
             for bits in (2, 3):

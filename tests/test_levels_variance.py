@@ -1,5 +1,5 @@
 """Closed-form expected variance, symbol probabilities, entropy and Huffman lengths
-(spec quantizers.md §3, §6, §10, §13)."""
+(spec docs/quantizers.md §3, §6, §10, §13)."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_closed_form_matches_quadrature(mix: str, table: str) -> None:
 
 
 def test_section_13_numbers() -> None:
-    # quantizers.md §13, F = TN(0, 1/128), 3 bits; the spec quotes 5 significant digits
+    # docs/quantizers.md §13, F = TN(0, 1/128), 3 bits; the spec quotes 5 significant digits
     v_uni = expected_variance(uniform(3), F_13)
     v_exp = expected_variance(exponential(3), F_13)
     v_alq = expected_variance(_mirror(ALQ_13), F_13)

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from horovod_aq.launcher import LaunchError, run_local
+from horovod_aq.tools.launcher import LaunchError, run_local
 from tests.ranks import init_torch, tiny_model
 
 pytestmark = pytest.mark.multiprocess

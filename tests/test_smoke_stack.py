@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from horovod_aq.launcher import run_local
+from horovod_aq.tools.launcher import run_local
 from tests.ranks import init_tf, init_torch
 
 pytestmark = pytest.mark.multiprocess

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from horovod_aq import codec
-from horovod_aq.launcher import run_local
+from horovod_aq.tools.launcher import run_local
 from tests.ranks import init_tf
 from tests.test_tf_packed import (
     BUCKET,
@@ -244,11 +244,11 @@ def ecq_checkpoint():
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("horovod_aq.tensorflow.checkpoint").addHandler(handler)
+    logging.getLogger("horovod_aq.error_feedback").addHandler(handler)
     try:
         checkpoint.load_state_dict(c, {**saved, "world": 3})
     finally:
-        logging.getLogger("horovod_aq.tensorflow.checkpoint").removeHandler(handler)
+        logging.getLogger("horovod_aq.error_feedback").removeHandler(handler)
     return {"world": saved["world"], "ranks": sorted(saved["memory_by_rank"]),
             "keys": sorted(saved["memory_by_rank"][hvd.rank()]), "buckets": len(a.memory),
             "nonzero": all(np.any(m) for m in saved["memory_by_rank"][hvd.rank()].values()),

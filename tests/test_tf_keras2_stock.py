@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from horovod_aq.launcher import run_local
+from horovod_aq.tools.launcher import run_local
 from tests.ranks import init_tf
 
 pytestmark = pytest.mark.multiprocess
@@ -27,7 +27,7 @@ def stock_fit():
 
     import horovod_aq
     import horovod_aq.tensorflow as aqtf
-    from horovod_aq.datasets import load_mnist_5k
+    from horovod_aq.tools.datasets import load_mnist_5k
 
     keras = tf.keras
     train, test = load_mnist_5k(seed=0)

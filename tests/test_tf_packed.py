@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from horovod_aq import codec
-from horovod_aq.launcher import run_local
-from horovod_aq.levels.stats import normalized_histogram
+from horovod_aq.levels.stats import bucket_moments, normalized_histogram
+from horovod_aq.tools.launcher import run_local
 from tests.ranks import init_tf
 
 pytestmark = pytest.mark.multiprocess
@@ -29,8 +29,8 @@ TRAIN_STEPS = 500  # 10 epochs of 50 batches of 40 per rank; refits at steps 0 a
 
 # ---------------------------------------------------------------- helpers (inside the ranks)
 class EncodeRecorder:
-    """Record every payload the TF packed exchange encodes: (bucket, phase, call order, stateless
-    seed of its uniforms, input, payload), via a numpy_function attached to the graph."""
+    """Record every payload the TF packed exchange encodes: (bucket, phase, call order, stream
+    key of its uniforms, input, payload), via a numpy_function attached to the graph."""
 
     def __init__(self):
         from horovod_aq.tensorflow import packed
@@ -162,7 +162,7 @@ def oracle_two_phase_graph():
 
 def refit_in_function():
     """ALQ refits at steps 0 and 2 inside a tf.function custom loop: no retrace, same tables;
-    the statistics recorded in-graph at step 0 are codec.bucket_stats of what was encoded."""
+    the statistics recorded in-graph at step 0 are the bucket_moments of what was encoded."""
     tf, hvd = init_tf()
     import horovod_aq.tensorflow as aqtf
     from horovod_aq.tensorflow.comm import comm_for
@@ -338,7 +338,7 @@ def stock_tape():
 
 
 def _mnist(hvd):
-    from horovod_aq.datasets import load_mnist_5k
+    from horovod_aq.tools.datasets import load_mnist_5k
 
     train, test = load_mnist_5k(seed=0)
     shard = train.shard(hvd.rank(), hvd.size())
@@ -529,10 +529,9 @@ def _assert_two_phase_oracle(results, table):
             np.testing.assert_array_equal(_bucket_grads(res, params), expected)
 
 
-def _uniforms(seed, n):
-    import tensorflow as tf
-
-    return tf.random.stateless_uniform([n], seed=seed, dtype=tf.float32).numpy()
+def _uniforms(key, n):
+    """The uniforms of a recorded stream key (k0, k1, step, bucket, part): the format's."""
+    return codec.stream_uniforms(n, tuple(int(v) for v in key))
 
 
 def _assert_same_bytes(results, table):
@@ -610,7 +609,7 @@ def test_refit_tables_identical_without_retrace(launch):
     for r in results:                                       # in-graph stats = the codec's
         assert set(r["encoded"]) == set(r["recorded"]) and r["encoded"]
         for name, x in r["encoded"].items():
-            for got, want in zip(r["recorded"][name], codec.bucket_stats(x, BUCKET)):
+            for got, want in zip(r["recorded"][name], bucket_moments(x, BUCKET)):
                 np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
             np.testing.assert_allclose(r["recorded"][name][3], normalized_histogram(x, BUCKET),
                                        rtol=1e-12)
@@ -653,7 +652,8 @@ def test_nonfinite_gradient_fails_on_every_rank(launch):
     messages = _get(launch, nonfinite_everywhere)
     for m in messages:
         assert m.startswith("NonFiniteGradientError") and "rank 1" in m, m
-        assert " for w3 " in m or " for w1 " in m, m  # the first bad source of its bucket
+        assert " for parameter 'w3' " in m or " for parameter 'w1' " in m, m  # the first bad
+        # source of its bucket (the message text is packed.protocol.nonfinite_message's)
 
 
 def test_nonfinite_skip_skips_on_every_rank(launch):

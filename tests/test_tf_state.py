@@ -12,7 +12,7 @@ import pytest
 
 import horovod_aq
 from horovod_aq import codec
-from horovod_aq.levels.stats import normalized_histogram
+from horovod_aq.levels.stats import bucket_moments, normalized_histogram
 from horovod_aq.levels.table import LevelTable
 
 tf = pytest.importorskip("tensorflow")
@@ -69,7 +69,7 @@ def test_recorded_statistics_match_the_codec():
     assert comp.recording and state.recording.numpy()
     stats = [s.read(0) for s in state.slots]
     assert len(stats) == 1 and stats[0] is not None
-    for got, want in zip(stats[0], codec.bucket_stats(x, BUCKET)):
+    for got, want in zip(stats[0], bucket_moments(x, BUCKET)):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
     assert comp.wants_histogram  # ALQ's default model: the histogram is recorded too
     np.testing.assert_allclose(stats[0][3], normalized_histogram(x, BUCKET), rtol=1e-12)
@@ -90,7 +90,7 @@ def test_state_dict_restores_the_random_stream():
 
 
 def test_stock_path_refuses_dqsgd_and_error_feedback_clearly():
-    from horovod_aq.dqsgd import DQSGD
+    from horovod_aq import DQSGD
     from horovod_aq.error_feedback import ErrorFeedback
 
     x = tf.constant(_gradient())
@@ -122,7 +122,8 @@ def test_dqsgd_state_keeps_one_table_per_width_and_the_width_index():
 def test_error_feedback_memory_variables_follow_the_core():
     ef = horovod_aq.ECQ(horovod_aq.QSGD(bits=2, bucket_size=BUCKET), alpha=0.3, beta=0.8)
     state = tf_state(ef)
-    assert ef._fw_state["tensorflow"] is state and state.error_feedback is ef
+    assert ef.quantizer.framework_state("tensorflow") is state
+    assert state.error_memory is ef.error_memory
     var = state.memory_variable("bucket0", 8)
     assert ef.memory["bucket0"] is var and var.dtype == tf.float32
     var.assign(np.arange(8, dtype=np.float32))

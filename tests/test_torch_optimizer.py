@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from horovod_aq import codec
-from horovod_aq.launcher import run_local
+from horovod_aq.tools.launcher import run_local
 from tests.ranks import EncodeRecorder, init_torch, tiny_model
 
 pytestmark = pytest.mark.multiprocess
@@ -200,7 +200,7 @@ def train_mnist(mode: str, seed: int, steps: int = 300):
 
     import horovod_aq
     import horovod_aq.torch as aqt
-    from horovod_aq.datasets import load_mnist_5k
+    from horovod_aq.tools.datasets import load_mnist_5k
 
     train, test = load_mnist_5k(seed=0)
     shard = train.shard(hvd.rank(), hvd.size())

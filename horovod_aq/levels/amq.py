@@ -1,6 +1,6 @@
 """AMQ: the exponential table ±{p^s, …, p, 1} with the multiplier p fitted to F (spec §8).
 
-Spec: ``quantizers.md`` §8 (paper arXiv 2010.12460). With s = 2^(b−1) − 1 the table E(p) has
+Spec: ``docs/quantizers.md`` §8 (paper arXiv 2010.12460). With s = 2^(b−1) − 1 the table E(p) has
 2^b levels, no zero, and p ∈ (0, 1). The objective is the full expected variance
 
     V(p) = V(E(p); F) = ∫_0^{p^s} (p^{2s} − u²) dG
@@ -20,7 +20,8 @@ V is cheap in closed form, so the package method is a global search:
    joins the candidates.
 
 AMQ-N is the same on the single pooled truncated normal; AMQ on the empirical histogram
-(``histogram.HistogramDistribution``) is the same search on its piecewise-polynomial V(p).
+(``histogram.HistogramDistribution``) is the same search on its piecewise-polynomial V(p): any
+``model.Distribution`` is searched through its ``table_variance``.
 The reference's gradient descent (η = 0.7, positive-levels-only selection; pitfall P4) is not
 reproduced here.
 """
@@ -33,10 +34,8 @@ import math
 import numpy as np
 from scipy.optimize import minimize_scalar
 
-from horovod_aq.levels.distribution import TruncatedNormalMixture
 from horovod_aq.levels.families import check_bits, exponential
-from horovod_aq.levels.histogram import HistogramDistribution
-from horovod_aq.levels.variance import _variance_unchecked
+from horovod_aq.levels.model import Distribution, check_distribution
 
 __all__ = [
     "GRID_HIGH",
@@ -64,9 +63,6 @@ _BRENT_XATOL = 1e-10
 #: Tables evaluated per vectorized batch on the grid (bounds the temporary arrays).
 _GRID_BATCH = 32
 
-#: The laws AMQ accepts.
-Distribution = TruncatedNormalMixture | HistogramDistribution
-
 
 def _tables(p: np.ndarray, bits: int) -> np.ndarray:
     """Rows E(p) = (−1, …, −p^s, p^s, …, p, 1) for each p (no validation; may underflow to ±0)."""
@@ -76,31 +72,24 @@ def _tables(p: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _v_of_p(dist: Distribution, p: np.ndarray, bits: int, *, series: bool = True) -> np.ndarray:
+    """V(p) = V(E(p); F) for each p, ``_GRID_BATCH`` tables at a time (``series``: see
+    ``Distribution.table_variance``)."""
     p = np.asarray(p, dtype=np.float64).reshape(-1)
     out = np.empty(p.size)
     for start in range(0, p.size, _GRID_BATCH):
         sl = slice(start, start + _GRID_BATCH)
-        out[sl] = _variance_unchecked(dist, _tables(p[sl], bits), series=series)
+        out[sl] = dist.table_variance(_tables(p[sl], bits), series=series)
     return out
 
 
 def amq_variance(dist: Distribution, bits: int, p: object) -> np.ndarray:
     """V(E(p); F) for an array of multipliers p ∈ (0, 1) (closed form, vectorized)."""
-    _check_dist(dist)
+    check_distribution(dist)
     b = check_bits(bits)
     p_arr = np.asarray(p, dtype=np.float64)
     if not np.all((p_arr > 0.0) & (p_arr < 1.0)):
         raise ValueError("the multiplier p must lie in (0, 1)")
     return _v_of_p(dist, p_arr, b).reshape(p_arr.shape)
-
-
-def _check_dist(dist: object) -> Distribution:
-    if not isinstance(dist, (TruncatedNormalMixture, HistogramDistribution)):
-        raise ValueError(  # noqa: TRY004 -- the package reports every bad argument as ValueError
-            "dist must be a TruncatedNormalMixture or a HistogramDistribution, "
-            f"got {type(dist).__name__}"
-        )
-    return dist
 
 
 def amq_multiplier(
@@ -115,7 +104,7 @@ def amq_multiplier(
     ``bits = 1`` has no free level (the table is {−1, 1}); it returns ``initial_p`` clamped, or
     1/2. Deterministic.
     """
-    F = _check_dist(dist)
+    F = check_distribution(dist)
     b = check_bits(bits)
     if method != "grid":
         raise ValueError(

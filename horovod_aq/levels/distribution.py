@@ -1,6 +1,6 @@
 """The distribution model of normalized coordinates: a mixture of truncated normals on [−1, 1].
 
-Spec: ``quantizers.md`` §5 (model) and §6 (closed forms). A bucket v with norm n = ‖v‖₂ has
+Spec: ``docs/quantizers.md`` §5 (model) and §6 (closed forms). A bucket v with norm n = ‖v‖₂ has
 normalized coordinates r = v/n ∈ [−1, 1]; ALQ/AMQ fit levels to
 
     F = Σ_k w_k · TN(μ_k, σ_k²; [−1, 1])                                   (§5.3)
@@ -42,11 +42,14 @@ below 2/STD_CEIL² = 2e-8).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from scipy.special import erfc, ndtri
+
+from horovod_aq.levels.model import TableTerms
+from horovod_aq.levels.roots import solve_increasing
 
 __all__ = [
     "STD_CEIL",
@@ -78,12 +81,13 @@ _NARROW_MH = 0.1
 # each term is below 1/400 of the previous one, so a few terms reach _SERIES_RTOL.
 _SERIES_ORDER = 16
 _SERIES_RTOL = 1e-17
-# Root finding (ppf and the ALQ updates): iteration cap (bisection alone needs < 1100 halvings
-# to exhaust a double bracket; Newton usually converges in a handful) and tolerance in ulps.
-_ROOT_MAX_ITER = 200
-_ROOT_XTOL_EPS = 4.0
-_EPS = float(np.finfo(np.float64).eps)
-_TINY = 1e-300
+# The companding start of ALQ (``companding_positions``): grid size, and local refinement
+# (points over ±Z σ) around at most _COMPANDING_LOCAL components whose f^(1/3) is narrower than
+# two grid steps.
+_COMPANDING_GRID = 513
+_COMPANDING_LOCAL = 64
+_COMPANDING_LOCAL_POINTS = 33
+_COMPANDING_Z = 8.0
 
 
 def _as_float_array(name: str, values: object) -> np.ndarray:
@@ -194,65 +198,11 @@ def _segment_series(m: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.exp(-0.5 * m * m) * INV_SQRT_2PI * total
 
 
-def _solve_increasing(
-    eval_h: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
-    lo: np.ndarray,
-    hi: np.ndarray,
-    x0: np.ndarray,
-) -> np.ndarray:
-    """Roots of increasing functions h_i on [lo_i, hi_i]: Newton with bisection fallback (rtsafe).
-
-    ``eval_h(x, idx)`` returns (h(x), h′(x)) for the elements ``idx`` (one vectorized call per
-    iteration for the unconverged elements; the bracket logic is scalar). Requires
-    h(lo) ≤ 0 ≤ h(hi). Stops when the Newton correction or the bracket is below
-    ``_ROOT_XTOL_EPS`` ulps of x. Returns NaN where h was not finite.
-    """
-    lo_l, hi_l = lo.tolist(), hi.tolist()
-    xs = [
-        x if lo_i < x < hi_i else 0.5 * (lo_i + hi_i)
-        for x, lo_i, hi_i in zip(x0.tolist(), lo_l, hi_l)
-    ]
-    dx_old = [h_i - l_i for l_i, h_i in zip(lo_l, hi_l)]
-    out = list(xs)
-    active = list(range(len(xs)))
-    for _ in range(_ROOT_MAX_ITER):
-        h_arr, dh_arr = eval_h(np.array([xs[i] for i in active]), np.array(active, dtype=np.intp))
-        still = []
-        for i, h, dh in zip(active, h_arr.tolist(), dh_arr.tolist()):
-            x = xs[i]
-            if not math.isfinite(h):
-                out[i] = math.nan
-                continue
-            if h == 0.0:
-                out[i] = x
-                continue
-            if h > 0.0:
-                hi_l[i] = x
-            else:
-                lo_l[i] = x
-            tol = _ROOT_XTOL_EPS * _EPS * abs(x) + _TINY
-            step = h / dh if dh > 0.0 and math.isfinite(dh) else math.inf
-            if abs(step) <= tol:  # converged (the correction may be below one ulp of x)
-                out[i] = min(max(x - step, lo_l[i]), hi_l[i])
-                continue
-            x_new = x - step
-            if not (lo_l[i] < x_new < hi_l[i] and abs(2.0 * h) <= abs(dx_old[i] * dh)):
-                x_new = 0.5 * (lo_l[i] + hi_l[i])
-            dx_old[i] = abs(x_new - x)
-            out[i] = xs[i] = x_new
-            if hi_l[i] - lo_l[i] > tol:
-                still.append(i)
-        active = still
-        if not active:
-            break
-    return np.array(out, dtype=np.float64)
-
-
 class _TruncatedNormalSum:
     """Σ_k c_k · N(μ_k, σ_k²) restricted to [lower, upper]; c_k = w_k / Z_k are fixed coefficients.
 
     Both the mixture F on [−1, 1] and its folded law G on [0, 1] are of this form; all methods
-    below are shared. Not a public class.
+    below are shared (they implement the ``model.Law`` protocol). Not a public class.
     """
 
     lower: float
@@ -339,7 +289,7 @@ class _TruncatedNormalSum:
 
             lo = np.full(inner.size, self.lower)
             hi = np.full(inner.size, self.upper)
-            out[inner] = _solve_increasing(eval_h, lo, hi, 0.5 * (lo + hi))
+            out[inner] = solve_increasing(eval_h, lo, hi, 0.5 * (lo + hi))
         return out.reshape(shape)
 
     # -- partial moments and segment cost ----------------------------------------------------------
@@ -376,9 +326,61 @@ class _TruncatedNormalSum:
         """E[r²] = M2(lower, upper)."""
         return float(self.partial_moments(self.lower, self.upper)[2])
 
+    # -- tables (used by ``variance`` and ``alq``) -------------------------------------------------
+    def table_terms(self, L: np.ndarray) -> TableTerms:
+        """(M0, U, S, f) of the intervals of sorted tables L (..., N) (``model.TableTerms``).
+
+        Per component, with a, b the standardized ends: M0 = Δ/Z, U = σ/Z·[φ(a) − φ(b) − a·Δ]
+        and S = σ²/Z·s(a, b) (module docstring). The special functions are evaluated once per
+        level and component (N·K erfc + exp), and every interval reuses its two end points.
+        """
+        t = self._terms(L)
+        a, b = t[..., :-1, :], t[..., 1:, :]
+        delta = _mass(a, b)
+        M0 = delta @ self._coef
+        U = ((a.phi - b.phi) - a.z * delta) @ self._coef_sigma
+        S = _segment_bracket(a, b, delta, np.diff(L, axis=-1), self._sigma) @ self._coef_sigma2
+        return TableTerms(M0, U, S, t.phi @ self._coef_pdf)
+
+    def table_variance(self, L: np.ndarray, *, series: bool = True) -> np.ndarray:
+        """V = Σ_j S(ℓ_j, ℓ_{j+1}) for tables L (..., N) that are sorted (ties allowed).
+
+        ``series=False``: see ``_segment_bracket`` (absolute error ~ulps of V's scale).
+        """
+        t = self._terms(L)
+        a, b = t[..., :-1, :], t[..., 1:, :]
+        S = _segment_bracket(a, b, _mass(a, b), np.diff(L, axis=-1), self._sigma, series=series)
+        return (S @ self._coef_sigma2).sum(axis=-1)
+
+    def companding_positions(self, q: np.ndarray) -> np.ndarray:
+        """Positions x with C(x) = q for the normalized cumulative C of f^(1/3) on the support.
+
+        f^(1/3) is the high-resolution optimal density of levels for a cost ∫ f·h³ per interval,
+        which V is (S(c, d) ≈ f·(d − c)³/6). The integral is a trapezoid rule on a uniform grid,
+        refined around the heaviest components whose f^(1/3) (a normal of width σ√3) is narrower
+        than two grid steps; this only builds a starting point (of ALQ), so that accuracy is
+        ample.
+        """
+        lo, hi = self.lower, self.upper
+        grid = np.linspace(lo, hi, _COMPANDING_GRID)
+        step = (hi - lo) / (_COMPANDING_GRID - 1)
+        narrow = np.nonzero(self._sigma * math.sqrt(3.0) < 2.0 * step)[0]
+        if narrow.size:
+            heavy = narrow[np.argsort(-self._coef[narrow], kind="stable")][:_COMPANDING_LOCAL]
+            z = np.linspace(-_COMPANDING_Z, _COMPANDING_Z, _COMPANDING_LOCAL_POINTS)
+            local = (self._mu[heavy, None] + self._sigma[heavy, None] * z).ravel()
+            grid = np.unique(np.clip(np.concatenate([grid, local]), lo, hi))
+        g = np.cbrt(np.maximum(self.pdf(grid), 0.0))
+        cum = np.concatenate([[0.0], np.cumsum(0.5 * (g[1:] + g[:-1]) * np.diff(grid))])
+        if not (np.isfinite(cum[-1]) and cum[-1] > 0.0):
+            return lo + (hi - lo) * q
+        return np.interp(q, cum / cum[-1], grid)
+
 
 class TruncatedNormalMixture(_TruncatedNormalSum):
     """F = Σ_k w_k · TN(μ_k, σ_k²; [−1, 1]) — the ALQ/AMQ model of normalized coordinates (§5.3).
+
+    Implements the ``model.Distribution`` protocol (``folded()`` gives the law of |r|).
 
     Parameters
     ----------

@@ -1,6 +1,6 @@
 """Fixed level families and the table-repair helper shared by the fitting code.
 
-Spec: ``quantizers.md`` §2. Every family is returned as one signed, sorted float64 table on
+Spec: ``docs/quantizers.md`` §2. Every family is returned as one signed, sorted float64 table on
 [−1, 1] with endpoints ±1 and the sign folded in, valid for ``table.validate_levels``:
 
 ==========================  ===========================================  ===============

@@ -1,6 +1,6 @@
 """The empirical (histogram) model of normalized coordinates: a piecewise-uniform law on [−1, 1].
 
-Spec: ``quantizers.md`` §5.1 ("an empirical or histogram CDF model captures heavy tails better;
+Spec: ``docs/quantizers.md`` §5.1 ("an empirical or histogram CDF model captures heavy tails better;
 an optional extension"), §6 (the objective), §7/§8 (the fitters, which accept this model as well
 as the truncated-normal mixture of ``distribution``).
 
@@ -37,11 +37,12 @@ S_mid ≈ R_0·(d − c)²/6; since a full bin lies inside [c, d], d − c is at
 the relative error is below ~ε·6·max(c², d²)/w_min² — about 1e-12 on the default grid (bins are
 at least 1.9 % of |r| wide, or 1.9e-6 near 0).
 
-Fitting-specific pieces (used by ``alq``): the root set of F(x) − F(c) = t is located with a
-binary search on the prefix (or, in the upper half, suffix) sums and solved exactly inside its
-bin (F is linear there); where F is flat (empty bins) the root is a whole interval, returned as
-(x_lo, x_hi). The density is discontinuous and may vanish on whole intervals: the objective of
-one level is still convex (J″ = (d − c)·f ≥ 0) but may be flat, which the fitters handle.
+Fitting-specific pieces (used by ``ppf`` and by ALQ's exact updates, ``alq.histogram_updates``):
+the root set of F(x) − F(c) = t is located with a binary search on the prefix (or, in the upper
+half, suffix) sums and solved exactly inside its bin (F is linear there); where F is flat (empty
+bins) the root is a whole interval, returned as (x_lo, x_hi). The density is discontinuous and
+may vanish on whole intervals: the objective of one level is still convex (J″ = (d − c)·f ≥ 0)
+but may be flat, which the fitters handle.
 
 Default binning (``histogram_edges``): r_k = s0·sinh(t_k·asinh(1/s0)), t_k uniform on [−1, 1]
 with ``HISTOGRAM_BINS`` bins and s0 = ``HISTOGRAM_SCALE`` — fine near 0, relatively uniform
@@ -55,6 +56,8 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+
+from horovod_aq.levels.model import TableTerms
 
 __all__ = [
     "HISTOGRAM_BINS",
@@ -188,7 +191,10 @@ def _dd_cumsum(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # the piecewise-uniform law (shared by F on [−1, 1] and its folded law G on [0, 1])
 # ----------------------------------------------------------------------------------------------
 class _PiecewiseUniform:
-    """Σ_k p_k·U[e_k, e_{k+1}] on [lower, upper] = [e_0, e_H]; p normalized. Not public."""
+    """Σ_k p_k·U[e_k, e_{k+1}] on [lower, upper] = [e_0, e_H]; p normalized. Not public.
+
+    Shared by F and its folded law G; implements the ``model.Law`` protocol.
+    """
 
     lower: float
     upper: float
@@ -372,17 +378,28 @@ class _PiecewiseUniform:
         return float(self._c2[0][-1] + self._c2[1][-1])
 
     # -- tables (used by ``variance`` and ``alq``) -------------------------------------------------
-    def _table_terms(self, L: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(M0, U, S) of the consecutive intervals of sorted tables L (..., N) → (..., N − 1)."""
-        L = self._clip(L)
-        k = self._bin(L)
-        return self._mass_up_cost(L[..., :-1], L[..., 1:], k[..., :-1], k[..., 1:])
+    def _table_costs(self, L: object) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """bin(ℓ) and (M0, U, S) of the consecutive intervals of sorted tables L (..., N)."""
+        Lc = self._clip(L)
+        k = self._bin(Lc)
+        return k, self._mass_up_cost(Lc[..., :-1], Lc[..., 1:], k[..., :-1], k[..., 1:])
 
-    def _table_variance(self, L: np.ndarray) -> np.ndarray:
-        """V(ℓ; F) = Σ_j S(ℓ_j, ℓ_{j+1}) for sorted tables L (..., N) (ties allowed)."""
-        return self._table_terms(L)[2].sum(axis=-1)
+    def table_terms(self, L: np.ndarray) -> TableTerms:
+        """(M0, U, S, f) of the intervals of sorted tables L (..., N) (``model.TableTerms``):
+        the closed forms of the module docstring, each level's bin looked up once."""
+        x = np.asarray(L, dtype=np.float64)
+        k, (M0, U, S) = self._table_costs(x)
+        f = np.where((x < self.lower) | (x > self.upper), 0.0, self._rho[k])  # = pdf(L)
+        return TableTerms(M0, U, S, f)
 
-    # -- the fitters' per-level solves -------------------------------------------------------------
+    def table_variance(self, L: np.ndarray, *, series: bool = True) -> np.ndarray:
+        """V(ℓ; F) = Σ_j S(ℓ_j, ℓ_{j+1}) for sorted tables L (..., N) (ties allowed).
+
+        ``series`` has no effect (the protocol's flag; this closed form has no series)."""
+        _, (_, _, S) = self._table_costs(L)
+        return S.sum(axis=-1)
+
+    # -- per-level solves (``ppf`` and the ALQ updates) --------------------------------------------
     def _point_sums(self, x: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, ...]:
         """Cumulative sums at points x in bins k, each as hi + lo (double-double-ish):
 
@@ -451,49 +468,7 @@ class _PiecewiseUniform:
         x_hi = np.where(rj > 0.0, x_lo, e[self._next_mass[j]])
         return x_lo, np.maximum(x_hi, x_lo)
 
-    def _first_level_root(
-        self, d: np.ndarray, A: np.ndarray, kd: np.ndarray | None = None
-    ) -> np.ndarray:
-        """Root of h(x) = (2x + d)·G(x) − M1(0, x) − A on [0, d] (lower must be 0).
-
-        h(0) = −A ≤ 0 ≤ h(d) = 2d·G(d) and h′ = 2G + (x + d)·g ≥ 0. The bin is found by a
-        vectorized binary search over the edges below d (h at an edge is a prefix sum); inside
-        bin β, with x = e_β + a, h is the quadratic h(e_β) + (2G(e_β) + ρ(e_β + d))·a + 1.5ρ·a²,
-        solved in the cancellation-free form a = 2|h(e_β)| / (β1 + √(β1² + 6ρ|h(e_β)|)).
-        ``kd`` is bin(d) if known.
-        """
-        e, rho = self._edges, self._rho
-        g_hi, g_lo = self._c0
-        m_hi, m_lo = self._c1
-
-        def h_at(m: np.ndarray, rows: np.ndarray) -> np.ndarray:
-            G = g_hi[m] + g_lo[m]
-            M1 = m_hi[m] + m_lo[m]
-            return (2.0 * e[m] + d[rows]) * G - M1 - A[rows]
-
-        if kd is None:
-            kd = self._bin(d)
-        lo_m = np.zeros(d.size, dtype=np.intp)  # h(e_lo) ≤ 0
-        hi_m = kd + 1  # "edge" kd + 1 stands for d itself, where h ≥ 0
-        while True:
-            open_ = (hi_m - lo_m > 1).nonzero()[0]
-            if open_.size == 0:
-                break
-            mid = (lo_m[open_] + hi_m[open_]) // 2
-            neg = h_at(mid, open_) <= 0.0
-            lo_m[open_[neg]] = mid[neg]
-            hi_m[open_[~neg]] = mid[~neg]
-        beta = lo_m
-        rows = np.arange(d.size)
-        h0 = np.minimum(h_at(beta, rows), 0.0)
-        G0 = g_hi[beta] + g_lo[beta]
-        rb = rho[beta]
-        b1 = 2.0 * G0 + rb * (e[beta] + d)
-        den = b1 + np.sqrt(b1 * b1 - 6.0 * rb * h0)
-        a = -2.0 * h0 / np.where(den > 0.0, den, np.inf)  # den = 0 only where h0 = 0
-        return np.minimum(np.maximum(e[beta] + a, e[beta]), np.minimum(e[beta + 1], d))
-
-    def _companding_positions(self, q: np.ndarray) -> np.ndarray:
+    def companding_positions(self, q: np.ndarray) -> np.ndarray:
         """Positions x with C(x) = q for the normalized cumulative C of f^(1/3) (exact here:
         f^(1/3) is piecewise constant, so C is piecewise linear on the edges)."""
         mass = np.cbrt(self._rho) * self._width
@@ -507,9 +482,10 @@ class HistogramDistribution(_PiecewiseUniform):
     """A piecewise-uniform law F on [−1, 1]: bin i has mass weights[i]/Σweights on
     [edges[i], edges[i+1]] (module docstring for the closed forms).
 
-    Accepted wherever the truncated-normal mixture is: ``fit_alq``, ``fit_alq_gd``,
-    ``alq_descent``, ``fit_amq``, ``amq_multiplier``, ``expected_variance``,
-    ``symbol_probabilities``, ``entropy``, ``huffman_expected_length``.
+    Implements the ``model.Distribution`` protocol, so it is accepted wherever the
+    truncated-normal mixture is: ``fit_alq``, ``fit_alq_gd``, ``alq_descent``, ``fit_amq``,
+    ``amq_multiplier``, ``expected_variance``, ``symbol_probabilities``, ``entropy``,
+    ``huffman_expected_length``.
 
     Parameters
     ----------

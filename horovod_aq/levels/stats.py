@@ -1,12 +1,14 @@
-"""Per-bucket gradient statistics for fitting the levels (spec ``quantizers.md`` §5.1, §5.2, §5.4).
+"""Per-bucket gradient statistics for fitting the levels (``docs/quantizers.md`` §5.1, §5.2, §5.4).
 
 For each FULL bucket v_b of B coordinates with n_b = ‖v_b‖₂ > 0 (zero buckets and the partial
 tail are skipped, as in the reference):
 
     u = v_b / n_b,   m_b = mean(u),   s_b = std(u) with divisor B − 1        (§5.1)
 
-Because Σ u_i² = 1, s_b² = (1 − B·m_b²)/(B − 1). The mixture of §5.3 uses the top-K buckets by
-norm; the single normal of ALQ-N/AMQ-N (§5.4) uses pooled sums over ALL nonzero full buckets:
+Because Σ u_i² = 1, s_b² = (1 − B·m_b²)/(B − 1). ``bucket_moments`` is the one numpy definition
+of (n_b, m_b, s_b); ``BucketStats.from_gradient`` builds the statistics on it. The mixture of
+§5.3 uses the top-K buckets by norm; the single normal of ALQ-N/AMQ-N (§5.4) uses pooled sums
+over ALL nonzero full buckets:
 
     count = Σ_b B,   sum_u = Σ_b Σ_i u_i = Σ_b B·m_b,
     sum_sq_dev = Σ_b Σ_i (u_i − m_b)² = Σ_b (B − 1)·s_b².
@@ -56,6 +58,7 @@ with bucket norms above ~1e154 raise ValueError.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -69,11 +72,12 @@ from horovod_aq.levels.histogram import (
     histogram_edges,
 )
 
-__all__ = ["BucketStats", "bucket_stats", "normalized_histogram"]
+__all__ = ["BucketStats", "bucket_moments", "bucket_stats", "normalized_histogram"]
 
 #: Length of the header of ``BucketStats.to_array``: bucket_size, count, sum_u, sum_sq_dev.
 ARRAY_HEADER = 4
-#: ``bucket_stats`` converts at most about this many coordinates to float64 at a time.
+#: ``bucket_moments`` and ``normalized_histogram`` convert at most about this many coordinates
+#: to float64 at a time.
 _STATS_CHUNK = 1 << 20
 # A stats vector without a histogram has length 3·k + ARRAY_HEADER, one with a histogram
 # 3·k + ARRAY_HEADER + HISTOGRAM_BINS; H ≢ 0 (mod 3) keeps the two kinds of lengths apart.
@@ -138,7 +142,7 @@ class BucketStats:
     top-K by norm, or all. ``count``, ``sum_u``, ``sum_sq_dev`` are pooled over ALL nonzero full
     buckets (for the single-normal model, §5.4). ``histogram`` (optional, None when absent) holds
     the ``HISTOGRAM_BINS`` n_b²-weighted bin weights of ALL normalized coordinates on the default
-    grid (module docstring), for ``histogram_model()``. Build with ``bucket_stats``,
+    grid (module docstring), for ``histogram_model()``. Build with ``from_gradient``,
     ``from_buckets``, ``merge`` or ``from_array`` rather than directly.
     """
 
@@ -192,6 +196,25 @@ class BucketStats:
             object.__setattr__(self, "histogram", _check_histogram(self.histogram))
 
     # -- constructors ------------------------------------------------------------------------------
+    @classmethod
+    def from_gradient(
+        cls, x: object, bucket_size: int, *, top_k: int | None = None, histogram: bool = False
+    ) -> BucketStats:
+        """Statistics of the full buckets of the flattened gradient ``x`` (§5.1).
+
+        ``from_buckets(*bucket_moments(x, bucket_size), bucket_size, top_k)``: buckets are
+        consecutive runs of ``bucket_size`` coordinates; the partial tail and buckets of norm 0
+        are skipped. Raises ValueError for non-finite input or bucket_size < 2; an all-zero or
+        too short ``x`` gives empty statistics (whose ``mixture()`` raises).
+        ``histogram=True`` also stores ``normalized_histogram(x, bucket_size)`` (all buckets,
+        the partial tail included) for ``histogram_model()``.
+        """
+        b = _check_bucket_size(bucket_size)
+        v = _real_vector(x)
+        norms, means, stds = _moments(v, b)
+        hist = normalized_histogram(v, b) if histogram else None
+        return cls.from_buckets(norms, means, stds, b, top_k=top_k, histogram=hist)
+
     @classmethod
     def from_buckets(
         cls,
@@ -382,7 +405,7 @@ class BucketStats:
         if self.histogram is None:
             raise ValueError(
                 "these statistics carry no histogram: build them with "
-                "bucket_stats(x, bucket_size, histogram=True) or pass "
+                "BucketStats.from_gradient(x, bucket_size, histogram=True) or pass "
                 "histogram=normalized_histogram(x, bucket_size) to from_buckets"
             )
         if not np.any(self.histogram > 0.0):
@@ -393,8 +416,8 @@ class BucketStats:
         return HistogramDistribution(histogram_edges(), self.histogram)
 
 
-def _bucket_moments(block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(n_b, m_b, s_b) of the nonzero rows of a float64 block of buckets."""
+def _block_moments(block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(n_b, m_b, s_b) of the nonzero rows (buckets) of a float64 block (``bucket_moments``)."""
     # scale each bucket by its max |v| before squaring so the norm cannot overflow or underflow
     amax = np.max(np.abs(block), axis=1)
     nz = amax > 0.0
@@ -460,24 +483,12 @@ def normalized_histogram(x: object, bucket_size: int, edges: object | None = Non
     return out
 
 
-def bucket_stats(
-    x: object, bucket_size: int, *, top_k: int | None = None, histogram: bool = False
-) -> BucketStats:
-    """Statistics of the full buckets of the flattened gradient ``x`` (§5.1).
-
-    Buckets are consecutive runs of ``bucket_size`` coordinates; the partial tail and buckets of
-    norm 0 are skipped. Computed in float64 whatever the input dtype, ``_STATS_CHUNK``
-    coordinates at a time. Raises ValueError for non-finite input or bucket_size < 2; an
-    all-zero or too short ``x`` gives empty statistics (whose ``mixture()`` raises).
-    ``histogram=True`` also stores ``normalized_histogram(x, bucket_size)`` (all buckets,
-    the partial tail included) for ``histogram_model()``.
-    """
-    b = _check_bucket_size(bucket_size)
-    v = _real_vector(x)
+def _moments(v: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``bucket_moments`` of a checked flat vector v, ``_STATS_CHUNK`` coordinates at a time."""
     n_full = v.size // b
     rows = max(1, _STATS_CHUNK // b)
     parts = [
-        _bucket_moments(
+        _block_moments(
             np.asarray(v[i * b : min(i + rows, n_full) * b], dtype=np.float64).reshape(-1, b)
         )
         for i in range(0, n_full, rows)
@@ -485,5 +496,33 @@ def bucket_stats(
     if not parts:
         parts = [(np.zeros(0), np.zeros(0), np.zeros(0))]
     norms, means, stds = (np.concatenate(p) for p in zip(*parts))
-    hist = normalized_histogram(v, b) if histogram else None
-    return BucketStats.from_buckets(norms, means, stds, b, top_k=top_k, histogram=hist)
+    return norms, means, stds
+
+
+def bucket_moments(x: object, bucket_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-bucket moments (norms, means, stds) of the full buckets of ``x`` with ‖v_b‖₂ > 0 (§5.1).
+
+    For each full bucket v_b (``bucket_size`` consecutive coordinates of the flattened ``x``;
+    the partial tail is skipped) with n_b = ‖v_b‖₂ > 0 and u = v_b/n_b:
+
+        n_b = ‖v_b‖₂,   m_b = (1/B)·Σ_i u_i,   s_b = √(Σ_i (u_i − m_b)²/(B − 1))   (ddof = 1)
+
+    as float64 arrays in bucket order, computed in float64 whatever the input dtype
+    (``_STATS_CHUNK`` coordinates at a time); each bucket is scaled by max|v_i| before squaring,
+    so n_b neither overflows nor underflows. This is the numpy definition the framework kernels
+    match. Raises ValueError for non-finite or non-real input or bucket_size < 2.
+    """
+    b = _check_bucket_size(bucket_size)
+    return _moments(_real_vector(x), b)
+
+
+def bucket_stats(
+    x: object, bucket_size: int, *, top_k: int | None = None, histogram: bool = False
+) -> BucketStats:
+    """Deprecated alias of ``BucketStats.from_gradient`` (same arguments, same result)."""
+    warnings.warn(
+        "horovod_aq.levels.bucket_stats is deprecated: use BucketStats.from_gradient",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return BucketStats.from_gradient(x, bucket_size, top_k=top_k, histogram=histogram)

@@ -1,6 +1,6 @@
 """Level tables: a validated, versioned, hashable signed table ℓ_0 < … < ℓ_{N−1} on [−1, 1].
 
-Every quantizer in the package is one signed table with endpoints ±1 (``quantizers.md`` §2):
+Every quantizer in the package is one signed table with endpoints ±1 (``docs/quantizers.md`` §2):
 the transmitted symbol is the level index J ∈ {0, …, N−1}, sent with
 
     bits = ⌈log₂ N⌉   (1 ≤ bits ≤ 8, so 2 ≤ N ≤ 256)

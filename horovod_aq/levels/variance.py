@@ -1,6 +1,6 @@
 """Expected variance of stochastic rounding, symbol probabilities, entropy and Huffman lengths.
 
-Spec: ``quantizers.md`` §3 (rounding), §6 (objective), §10 (symbols). For a table
+Spec: ``docs/quantizers.md`` §3 (rounding), §6 (objective), §10 (symbols). For a table
 ℓ_0 = −1 < … < ℓ_{N−1} = 1 and a law F of normalized coordinates r ∈ [−1, 1]:
 
     V(ℓ; F) = Σ_{j=0}^{N−2} S(ℓ_j, ℓ_{j+1}),   S(c, d) = ∫_c^d (r − c)(d − r) dF(r)      (§6)
@@ -15,9 +15,10 @@ for a coordinate has (§10)
 Interval by interval, U_j = ∫_{ℓ_j}^{ℓ_{j+1}} (r − ℓ_j) dF / (ℓ_{j+1} − ℓ_j) is the probability
 of rounding up and M0_j − U_j that of rounding down, so P_j = U_{j−1} + (M0_j − U_j).
 
-Every function here accepts the truncated-normal mixture (``distribution``) or the empirical
-histogram (``histogram.HistogramDistribution``); on the latter M0, U and S are piecewise
-polynomials evaluated from prefix sums over the bins (``histogram`` module docstring).
+Every function here accepts any ``model.Distribution`` on [−1, 1] — the truncated-normal
+mixture (``distribution``) or the empirical histogram (``histogram.HistogramDistribution``; there
+M0, U and S are piecewise polynomials evaluated from prefix sums over the bins) — and gets M0, U
+and S from its ``table_terms`` / ``table_variance``.
 """
 
 from __future__ import annotations
@@ -26,13 +27,7 @@ import heapq
 
 import numpy as np
 
-from horovod_aq.levels.distribution import (
-    TruncatedNormalMixture,
-    _mass,
-    _segment_bracket,
-    _TruncatedNormalSum,
-)
-from horovod_aq.levels.histogram import HistogramDistribution, _PiecewiseUniform
+from horovod_aq.levels.model import Distribution
 from horovod_aq.levels.table import validate_levels
 
 __all__ = [
@@ -44,45 +39,6 @@ __all__ = [
     "stochastic_rounding_variance",
     "symbol_probabilities",
 ]
-
-#: The laws accepted here (both on [−1, 1]; the folded laws of the symmetric fits are not).
-Distribution = TruncatedNormalMixture | HistogramDistribution
-
-
-def _interval_mass_and_up(
-    dist: _TruncatedNormalSum | _PiecewiseUniform, L: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """M0_j = ∫_{ℓ_j}^{ℓ_{j+1}} dF and U_j = ∫_{ℓ_j}^{ℓ_{j+1}} (r − ℓ_j) dF for tables L (..., N).
-
-    The special functions are evaluated once per level and component (N·K erfc + exp), and
-    every interval reuses its two end points. A histogram looks up each level's bin once.
-    """
-    if isinstance(dist, _PiecewiseUniform):
-        M0, U, _ = dist._table_terms(L)
-        return M0, U
-    t = dist._terms(L)
-    a, b = t[..., :-1, :], t[..., 1:, :]
-    delta = _mass(a, b)
-    M0 = delta @ dist._coef
-    U = ((a.phi - b.phi) - a.z * delta) @ dist._coef_sigma
-    return M0, U
-
-
-def _variance_unchecked(
-    dist: _TruncatedNormalSum | _PiecewiseUniform, L: np.ndarray, *, series: bool = True
-) -> np.ndarray:
-    """V for a batch of tables (..., N) that are sorted (ties allowed) and end at ±1.
-
-    ``series=False``: see ``distribution._segment_bracket`` (absolute error ~ulps of V's scale;
-    no effect on a histogram, whose closed form has no series).
-    """
-    if isinstance(dist, _PiecewiseUniform):
-        return dist._table_variance(L)
-    t = dist._terms(L)
-    a, b = t[..., :-1, :], t[..., 1:, :]
-    S = _segment_bracket(a, b, _mass(a, b), np.diff(L, axis=-1), dist._sigma, series=series)
-    S = S @ dist._coef_sigma2
-    return S.sum(axis=-1)
 
 
 def expected_variance(levels: object, dist: Distribution) -> float:
@@ -96,23 +52,21 @@ def expected_variance(levels: object, dist: Distribution) -> float:
     """
     L = validate_levels(levels)
     _check_dist(dist)
-    return float(_variance_unchecked(dist, L))
+    return float(dist.table_variance(L))
 
 
 def _check_dist(dist: object) -> None:
-    if not isinstance(dist, (_TruncatedNormalSum, HistogramDistribution)) or (
-        dist.lower != -1.0 or dist.upper != 1.0
-    ):
+    """A ``model.Distribution`` on [−1, 1] (the folded laws of the symmetric fits are not)."""
+    if not isinstance(dist, Distribution) or dist.lower != -1.0 or dist.upper != 1.0:
         raise ValueError(
             "dist must be a TruncatedNormalMixture or a HistogramDistribution on [-1, 1] "
             f"(got {type(dist).__name__}); use the law itself, not its folded law"
         )
 
 
-def _symbol_probabilities_unchecked(
-    dist: _TruncatedNormalSum | _PiecewiseUniform, L: np.ndarray
-) -> np.ndarray:
-    M0, U = _interval_mass_and_up(dist, L)
+def _symbol_probabilities_unchecked(dist: Distribution, L: np.ndarray) -> np.ndarray:
+    """P_j = U_{j−1}/(ℓ_j − ℓ_{j−1}) + (M0_j − U_j/(ℓ_{j+1} − ℓ_j)) (module docstring)."""
+    M0, U, _, _ = dist.table_terms(L)
     gaps = np.diff(L, axis=-1)
     with np.errstate(divide="ignore", invalid="ignore"):
         up = np.where(gaps > 0.0, U / gaps, 0.0)

@@ -20,10 +20,10 @@ _hvd = import_horovod("horovod.tensorflow")
 
 _LAZY = {
     "DistributedGradientTape": "horovod_aq.tensorflow.tape",
-    "DEFAULT_FUSION_BYTES": "horovod_aq.tensorflow.packed",
+    "DEFAULT_FUSION_BYTES": "horovod_aq.packed.plan",
     "PackedExchange": "horovod_aq.tensorflow.packed",
     "exchange_for": "horovod_aq.tensorflow.packed",
-    "ConfigMismatchError": "horovod_aq.sync",
+    "ConfigMismatchError": "horovod_aq.packed.protocol",
     "PayloadError": "horovod_aq.codec",
     "refit": "horovod_aq.tensorflow.step",
     "end_step": "horovod_aq.tensorflow.step",

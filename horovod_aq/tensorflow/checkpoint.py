@@ -1,8 +1,8 @@
 """Checkpoints of a compressor used with TensorFlow, error-feedback memory included.
 
 The compressor's own ``state_dict()`` holds everything needed to resume (settings, tables,
-step, DQSGD's rule, the random stream) and, for :class:`~horovod_aq.ErrorFeedback`, *this
-rank's* memory — the memory differs on every rank. :func:`state_dict` is the TensorFlow
+step, DQSGD's rule, the random stream) and, with error feedback, *this rank's* memory — the
+memory differs on every rank (docs/protocol.md §7). :func:`state_dict` is the TensorFlow
 counterpart of ``horovod_aq.torch.DistributedOptimizer.state_dict()["horovod_aq"]``: with
 ErrorFeedback and more than one rank it is **collective** (call it on every rank, save rank 0's
 dict); the memory of every rank is gathered into ``memory_by_rank`` with the set size in
@@ -19,19 +19,13 @@ function, use :func:`load_state_dict` (a plain load reaches the graphs only at t
 
 from __future__ import annotations
 
-import logging
-import zlib
 from typing import Any
 
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from horovod_aq.compressors import Compressor
-from horovod_aq.error_feedback import ErrorFeedback
-from horovod_aq.tensorflow.state import tf_state
-
-logger = logging.getLogger(__name__)
+from horovod_aq.error_feedback import collective_state_dict, select_memory
 
 
 def _require_eager(what: str) -> None:
@@ -44,56 +38,28 @@ def _set_size(process_set: hvd.ProcessSet) -> int:
     return process_set.size() if process_set.included() else 1
 
 
-def state_dict(compressor: Compressor, *,
+def state_dict(compressor: Any, *,
                process_set: hvd.ProcessSet = hvd.global_process_set) -> dict[str, Any]:
-    """``compressor.state_dict()``, with ErrorFeedback memory gathered from every rank.
+    """``compressor.state_dict()``, with error-feedback memory gathered from every rank.
 
-    Collective with ErrorFeedback and more than one rank: call it on every rank of
+    Collective with error memory and more than one rank: call it on every rank of
     ``process_set`` at the same point; the dict is then the same on every rank (save rank 0's).
-    Otherwise local. The ErrorFeedback layout matches PyTorch's: ``"memory"`` is empty,
-    ``"memory_by_rank"`` maps each rank of the set to {bucket name: float32 [numel]} and
-    ``"world"`` is the set size.
+    Otherwise local. The layout matches PyTorch's (:func:`horovod_aq.error_feedback.
+    collective_state_dict`): ``"memory"`` is empty, ``"memory_by_rank"`` maps each rank of the
+    set to {bucket name: float32 [numel]} and ``"world"`` is the set size.
     """
     _require_eager("state_dict")
-    state = compressor.state_dict()
-    if not isinstance(compressor, ErrorFeedback):
-        return state
-    local = state.pop("memory")
-    world = _set_size(process_set)
-    state["memory"] = {}
-    state["memory_by_rank"] = _gather_memory(compressor, local, process_set, world)
-    state["world"] = world
-    return state
+    memory = compressor.error_memory
+    buckets = [] if memory is None else sorted(
+        (k, int(np.asarray(v).size)) for k, v in memory.local_state().items())
+
+    def allgather(rows: np.ndarray, name: str) -> np.ndarray:
+        return hvd.allgather(tf.constant(rows), name=name, process_set=process_set).numpy()
+
+    return collective_state_dict(compressor, buckets, _set_size(process_set), allgather)
 
 
-def _gather_memory(compressor: ErrorFeedback, local: dict[str, np.ndarray],
-                   process_set: hvd.ProcessSet, world: int) -> dict[int, dict[str, np.ndarray]]:
-    """One allgather per bucket ("aq.efstate.<bucket>"), after one that checks that every rank
-    holds memory for the same buckets (else every rank raises the same error, no hang)."""
-    if world == 1:
-        return {0: local}
-    keys = sorted(local)
-    sizes = [int(np.asarray(local[k]).size) for k in keys]
-    digest = zlib.crc32("\n".join(f"{k}:{n}" for k, n in zip(keys, sizes)).encode())
-    mine = tf.constant([[len(keys), digest]], dtype=tf.int64)
-    layouts = hvd.allgather(mine, name=f"aq.efstate.{compressor.name}.layout",
-                            process_set=process_set).numpy()
-    if (layouts != layouts[0]).any():
-        raise ValueError(
-            f"{compressor.name}: the ranks hold error memory for different fused buckets "
-            f"(count, digest per rank: {layouts.tolist()}); call state_dict on every rank after "
-            "the same training steps")
-    out: dict[int, dict[str, np.ndarray]] = {r: {} for r in range(world)}
-    for key in keys:
-        row = np.ascontiguousarray(np.asarray(local[key], dtype=np.float32).reshape(1, -1))
-        rows = hvd.allgather(tf.constant(row), name=f"aq.efstate.{key}",
-                             process_set=process_set).numpy()
-        for r in range(world):
-            out[r][key] = rows[r].copy()
-    return out
-
-
-def load_state_dict(compressor: Compressor, state: dict[str, Any], *,
+def load_state_dict(compressor: Any, state: dict[str, Any], *,
                     process_set: hvd.ProcessSet = hvd.global_process_set) -> None:
     """Restore :func:`state_dict` (or a plain ``compressor.state_dict()``) on this rank.
 
@@ -102,17 +68,8 @@ def load_state_dict(compressor: Compressor, state: dict[str, Any], *,
     are updated at once, so an already traced step function continues from the checkpoint.
     """
     _require_eager("load_state_dict")
-    state = dict(state)
-    if isinstance(compressor, ErrorFeedback) and "memory_by_rank" in state:
-        by_rank, world = state.pop("memory_by_rank"), int(state.pop("world"))
-        if world == _set_size(process_set):
-            rank = process_set.rank() if process_set.included() else 0
-            state["memory"] = by_rank.get(rank, by_rank.get(str(rank), {}))
-        else:
-            logger.warning("%s: error-feedback memory was saved with %d ranks and this job has "
-                           "%d: it restarts from zero (levels and steps are kept)",
-                           compressor.name, world, _set_size(process_set))
-            state["memory"] = {}
-    compressor.load_state_dict(state)
-    if "tensorflow" in compressor._fw_state:
-        tf_state(compressor).sync()
+    rank = process_set.rank() if process_set.included() else 0
+    compressor.load_state_dict(select_memory(compressor, state, rank, _set_size(process_set)))
+    existing = compressor.quantizer.framework_state("tensorflow")
+    if existing is not None:
+        existing.sync()

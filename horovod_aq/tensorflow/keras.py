@@ -43,8 +43,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from horovod_aq.compressors import Compressor, NoCompression
-from horovod_aq.exchange import NetworkModel
+from horovod_aq.compressors import NoCompression
+from horovod_aq.packed.cost import NetworkModel
+from horovod_aq.packed.protocol import is_compression
 from horovod_aq.telemetry import Telemetry
 from horovod_aq.tensorflow.packed import DEFAULT_FUSION_BYTES, PackedExchange, exchange_for
 from horovod_aq.tensorflow.step import refit
@@ -102,7 +103,7 @@ def _distributed_class(base: type) -> type:
 
 def DistributedOptimizer(
     optimizer: keras.optimizers.Optimizer,
-    compression: Compressor | None = None,
+    compression: Any = None,
     *,
     process_set: hvd.ProcessSet = hvd.global_process_set,
     exchange: str = "auto",
@@ -266,7 +267,7 @@ class RefitCallback(keras.callbacks.Callback):
             self.compression = exchange.compression
             self.process_set = exchange.process_set
             self.telemetry: Telemetry | None = exchange.telemetry
-        elif isinstance(target, Compressor):
+        elif is_compression(target):
             self.compression = target
             self.process_set = process_set or hvd.global_process_set
             self.telemetry = None

@@ -1,8 +1,8 @@
 """TensorFlow kernels for the horovod_aq payload: the same bytes as the numpy oracle.
 
-Implements ``horovod_aq.codec`` (read its module docstring for the layout and the eight arithmetic
-steps) with TensorFlow ops. Given the same uniforms the bytes equal ``codec.encode`` and the PyTorch
-kernels, and each decodes the others' payloads. Everything works eagerly and inside
+Implements ``horovod_aq.codec`` (the layout is ``codec.format``, the eight arithmetic steps
+``codec.reference``) with TensorFlow ops. Given the same uniforms the bytes equal ``codec.encode``
+and the PyTorch kernels, and each decodes the others' payloads. Everything works eagerly and inside
 ``tf.function`` (static shapes, no Python branching on tensor values).
 
 Two layers:
@@ -11,7 +11,8 @@ Two layers:
   header bytes as *tensors*, so an integration can keep them in ``tf.Variable``s and assign a new
   table at each refit without retracing. Settings that fix shapes (``numel``, ``bits``,
   ``bucket_size``, ``norm``) are Python values. Invalid values fail through ``tf.debugging``
-  assertions (``tf.errors.InvalidArgumentError``) whose messages name the field.
+  assertions (``tf.errors.InvalidArgumentError``, ``horovod_aq.tensorflow.checks``) whose
+  messages name the field.
 * ``encode`` / ``decode`` / ``decode_average`` / ``quantize`` take a ``LevelTable``. Executed
   eagerly they validate on the host first and raise the same ``ValueError`` / ``PayloadError``
   messages as the numpy codec; inside ``tf.function`` the table becomes a constant.
@@ -27,15 +28,14 @@ Bit-exactness rules followed here:
 
 TensorFlow's CPU kernels flush float32 subnormals to zero. The level table is flushed the same
 way in every framework (``codec.float32_levels``), so this matters only for gradients holding
-values below 1.2e-38 (see the ``codec`` docstring): there the bytes may differ from numpy's and
-PyTorch's, and the payload still decodes everywhere.
+values below 1.2e-38 (see the ``codec.reference`` docstring): there the bytes may differ from
+numpy's and PyTorch's, and the payload still decodes everywhere.
 
 Importing this module imports TensorFlow; ``horovod_aq.codec`` never does.
 """
 
 from __future__ import annotations
 
-import struct
 import sys
 from typing import Any
 
@@ -44,29 +44,22 @@ import tensorflow as tf
 
 from horovod_aq import codec
 from horovod_aq.codec import HEADER_SIZE, NORM_BYTES, PayloadError
+from horovod_aq.codec.stream import UNIFORM_BITS, WORDS_PER_COUNTER, StreamKey, philox4x32
 from horovod_aq.levels.table import LevelTable
+from horovod_aq.tensorflow.checks import decoder_header_check, encoder_header_check, values_check
+from horovod_aq.tensorflow.stats import bucket_moments
 
-__all__ = ["bucket_norms", "bucket_stats", "decode", "decode_average", "decode_average_with",
-           "decode_with", "encode", "encode_with", "header_tensor", "levels_tensor", "quantize"]
+__all__ = ["bucket_moments", "bucket_norms", "bucket_stats", "decode", "decode_average",
+           "decode_average_with", "decode_with", "decoder_header_check", "encode", "encode_with",
+           "header_tensor", "levels_tensor", "quantize", "stream_uniforms"]
+
+#: The former name of ``bucket_moments`` (kept for callers; same function).
+bucket_stats = bucket_moments
 
 if sys.byteorder != "little":  # pragma: no cover - tf.bitcast uses the host byte order
     raise ImportError("horovod_aq.tensorflow.kernels assumes a little-endian host")
 
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-# Header fields compared by the decoder's graph assertions: (name, first byte, stop byte).
-_HEADER_FIELDS = (
-    ("magic", 0, 2),
-    ("format version", 2, 3),
-    ("bits", 3, 4),
-    ("norm", 4, 5),
-    ("flags", 5, 6),
-    ("number of levels", 6, 8),
-    ("level-table version", 8, 12),
-    ("level-table hash", 12, 16),
-    ("bucket size", 16, 20),
-    ("numel", 20, 28),
-    ("reserved", 28, 32),
-)
 
 
 # ---------------------------------------------------------------------------- small helpers
@@ -153,117 +146,37 @@ def _norms(flat: tf.Tensor, n: int, bucket_size: int, norm: str) -> tf.Tensor:
 def bucket_norms(x: Any, bucket_size: int, norm: str = "l2") -> tf.Tensor:
     """float32 norm of every bucket (``codec.bucket_norms``). No validation."""
     flat = _as_float32_flat(x)
-    return _norms(flat, _static_numel(flat), codec._check_bucket_size(bucket_size),
-                  codec._check_norm(norm))
-
-
-# ------------------------------------------------------------------------------- validation
-
-
-def _values_check(flat: tf.Tensor, norms: tf.Tensor, n: int) -> list:
-    """Graph assertions: every element finite, every norm finite. The diagnostics (count, first
-    index) are computed only on the failing branch."""
-    if n == 0:
-        return []
-
-    def fail_values():
-        bad = tf.logical_not(tf.math.is_finite(flat))
-        count = tf.reduce_sum(tf.cast(bad, tf.int64))
-        first = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int64)
-        with tf.control_dependencies([tf.debugging.Assert(
-                False, ["cannot quantize a gradient with non-finite values:", count, "of", n,
-                        "elements are NaN or ±Inf in float32, first at flat index", first,
-                        "; check the loss scale or clip the gradients before compressing"])]):
-            return tf.constant(True)
-
-    def fail_norms():
-        first = tf.argmax(tf.cast(tf.logical_not(tf.math.is_finite(norms)), tf.int32))
-        with tf.control_dependencies([tf.debugging.Assert(
-                False, ["bucket", first, ("has a norm that overflows float32; scale the "
-                                          "gradient down before compressing")])]):
-            return tf.constant(True)
-
-    values_ok = tf.cond(tf.reduce_all(tf.math.is_finite(flat)), lambda: tf.constant(True),
-                        fail_values)
-    with tf.control_dependencies([values_ok]):
-        norms_ok = tf.cond(tf.reduce_all(tf.math.is_finite(norms)), lambda: tf.constant(True),
-                           fail_norms)
-    return [values_ok, norms_ok]
-
-
-def _field_value(raw: tf.Tensor, width: int) -> tf.Tensor:
-    """The integer value of one little-endian header field given as ``width`` bytes."""
-    raw = tf.reshape(raw, [width])
-    if width == 1:
-        return tf.cast(raw[0], tf.int64)
-    return tf.bitcast(raw, {2: tf.uint16, 4: tf.uint32, 8: tf.uint64}[width])
-
-
-def _encoder_header_check(header_u8: tf.Tensor, levels: tf.Tensor, n: int, bits: int,
-                          bucket_size: int, norm: str) -> list:
-    """Assert that the header tensor describes this encode and this levels tensor."""
-    if header_u8.shape.rank != 1 or header_u8.shape[0] not in (None, HEADER_SIZE):
-        raise ValueError(f"header_u8 must be {HEADER_SIZE} uint8 bytes, "
-                         f"got shape {header_u8.shape}")
-    want = np.frombuffer(struct.pack(codec.HEADER_FORMAT, codec.MAGIC, codec.FORMAT_VERSION, bits,
-                                     codec.NORM_CODES[norm], 0, 0, 0, 0, bucket_size, n, 0),
-                         dtype=np.uint8)
-    checks = []
-    for name, lo, hi in (("magic", 0, 2), ("format version", 2, 3), ("bits", 3, 4),
-                         ("norm", 4, 5), ("bucket size", 16, 20), ("numel", 20, 28)):
-        checks.append(tf.debugging.assert_equal(
-            header_u8[lo:hi], tf.constant(want[lo:hi]),
-            message=f"encode_with: header_u8 has another {name} than this call "
-                    f"(numel={n}, bits={bits}, bucket_size={bucket_size}, norm={norm}); "
-                    "rebuild it with header_tensor()"))
-    num_levels = tf.size(levels, out_type=tf.int64)
-    checks.append(tf.debugging.assert_equal(
-        _field_value(header_u8[6:8], 2), tf.cast(num_levels, tf.uint16),
-        message="encode_with: header_u8 and levels_f32 disagree on the number of levels; "
-                "update both at a refit"))
-    checks.append(tf.debugging.Assert(
-        (num_levels >= 2) & (num_levels <= 1 << bits),
-        [f"encode_with: levels_f32 must hold 2..{1 << bits} levels for bits={bits}, got",
-         num_levels]))
-    return checks
-
-
-def _decoder_header_check(headers: tf.Tensor, expected_u8: tf.Tensor) -> list:
-    """Assert that every row of ``headers`` [P, 32] equals the expected header; the message
-    names the first differing field, the first rank that differs and both values."""
-    if expected_u8.shape.rank != 1 or expected_u8.shape[0] not in (None, HEADER_SIZE):
-        raise ValueError(f"expected_header_u8 must be {HEADER_SIZE} uint8 bytes, got shape "
-                         f"{expected_u8.shape}")
-    checks: list = []
-    for name, lo, hi in _HEADER_FIELDS:
-        got, want = headers[:, lo:hi], expected_u8[None, lo:hi]
-        same = tf.reduce_all(tf.equal(got, want), axis=1)
-        rank = tf.argmin(tf.cast(same, tf.int32))
-        if name == "magic":
-            advice = "not a horovod_aq payload (wrong buffer or corrupted data)"
-        elif name == "format version":
-            advice = "ranks run different horovod_aq versions"
-        elif name.startswith("level-table"):
-            advice = "ranks disagree on the level table"
-        else:
-            advice = "ranks disagree on the tensor or the compressor settings"
-        if name == "magic":
-            shown, expected = tf.reshape(got[rank], [hi - lo]), want[0]
-        else:
-            shown, expected = _field_value(got[rank], hi - lo), _field_value(want[0], hi - lo)
-        with tf.control_dependencies(checks[-1:]):  # report the first differing field
-            checks.append(tf.debugging.Assert(
-                tf.reduce_all(same),
-                [f"payload {name} differs: the payload of rank", rank, "has", shown,
-                 "but this rank expects", expected, f"; {advice}"],
-                summarize=HEADER_SIZE))
-    return checks
+    return _norms(flat, _static_numel(flat), codec.check_bucket_size(bucket_size),
+                  codec.check_norm(norm))
 
 
 # ----------------------------------------------------------------------------------- encode
 
 
-def _uniforms(n: int, uniforms: Any, seed: Any, deps: list) -> tuple[tf.Tensor, list]:
+def stream_uniforms(n: int, key: Any, start: int = 0) -> tf.Tensor:
+    """``codec.stream_uniforms`` in TensorFlow ops (graph-safe): coordinates start … start+n−1
+    of the format's Philox stream (docs/format.md §6). ``key`` is a ``codec.StreamKey`` or its
+    ``scalars()`` (k0, k1, step, bucket, part), where the step may be an int64 tensor (a
+    variable read inside a traced step: no retrace per step)."""
+    if n == 0:
+        return tf.zeros([0], tf.float32)
+    k0, k1, step, bucket, part = key.scalars() if isinstance(key, StreamKey) else key
+    first, last = start // WORDS_PER_COUNTER, (start + n - 1) // WORDS_PER_COUNTER
+    c0 = tf.range(first, last + 1, dtype=tf.int64)
+    c1, c2, c3 = (tf.fill(tf.shape(c0), tf.cast(c, tf.int64) & 0xFFFFFFFF)
+                  for c in (step, bucket, part))
+    words = philox4x32((c0, c1, c2, c3), (k0, k1), rshift=tf.bitwise.right_shift)
+    flat = tf.reshape(tf.stack(words, axis=1), [-1])
+    offset = start - first * WORDS_PER_COUNTER
+    top = tf.bitwise.right_shift(flat[offset:offset + n], 32 - UNIFORM_BITS)
+    return tf.cast(top, tf.float32) * (2.0 ** -UNIFORM_BITS)
+
+
+def _uniforms(n: int, uniforms: Any, seed: Any, deps: list,
+              key: Any = None) -> tuple[tf.Tensor, list]:
+    if key is not None and uniforms is None:
+        with tf.control_dependencies(deps):
+            return stream_uniforms(n, key), []
     if uniforms is not None:
         u = tf.cast(tf.convert_to_tensor(uniforms), tf.float32)
         if u.shape.num_elements() is not None and u.shape.num_elements() != n:
@@ -326,15 +239,16 @@ def _unpack(stream: tf.Tensor, n: int, bits: int) -> tf.Tensor:
     return tf.cast(tf.reshape(codes, [-1])[:n], tf.int32)
 
 
-def _quantize_codes(x, levels_f32, *, bucket_size, norm, uniforms, seed, check, extra_deps):
+def _quantize_codes(x, levels_f32, *, bucket_size, norm, uniforms, seed, check, extra_deps,
+                    key=None):
     flat = _as_float32_flat(x)
     n = _static_numel(flat)
-    bucket_size = codec._check_bucket_size(bucket_size)
-    norm = codec._check_norm(norm)
+    bucket_size = codec.check_bucket_size(bucket_size)
+    norm = codec.check_norm(norm)
     levels = tf.cast(tf.convert_to_tensor(levels_f32), tf.float32)
     norms = _norms(flat, n, bucket_size, norm)
-    deps = list(extra_deps) + (_values_check(flat, norms, n) if check else [])
-    u, u_checks = _uniforms(n, uniforms, seed, deps)
+    deps = list(extra_deps) + (values_check(flat, norms, n) if check else [])
+    u, u_checks = _uniforms(n, uniforms, seed, deps, key)
     with tf.control_dependencies(deps + u_checks):
         if n == 0:
             return tf.zeros([0], tf.int32), norms, n
@@ -354,6 +268,7 @@ def encode_with(
     uniforms: Any = None,
     seed: Any = None,
     check: bool = True,
+    key: Any = None,
 ) -> tf.Tensor:
     """Encode x into a uint8 payload of ``codec.payload_size(n, bits, bucket_size)`` bytes.
 
@@ -362,23 +277,25 @@ def encode_with(
         levels_f32: float32 levels tensor (e.g. a ``tf.Variable``), N ≤ 2^bits values.
         header_u8: the 32 header bytes (``header_tensor``) for this table and these settings.
         bits, bucket_size, norm: Python values (they fix the payload shape).
-        uniforms: n float32 values in [0, 1); else drawn from ``seed``: None (global TF RNG),
+        uniforms: n float32 values in [0, 1); else the format's stream of ``key`` (a
+            ``codec.StreamKey`` or its scalars, see ``stream_uniforms``: the same bytes as
+            ``codec.encode(..., key=...)``); else drawn from ``seed``: None (global TF RNG),
             an int or a shape-[2] tensor (stateless), or a ``tf.random.Generator``.
         check: add the graph assertions (finite values, header fields). ``encode`` turns them off
             when it has already checked eagerly.
     """
-    bits = codec._check_bits(bits)
-    bucket_size = codec._check_bucket_size(bucket_size)
-    norm = codec._check_norm(norm)
+    bits = codec.check_bits(bits)
+    bucket_size = codec.check_bucket_size(bucket_size)
+    norm = codec.check_norm(norm)
     header_u8 = tf.convert_to_tensor(header_u8, dtype=tf.uint8)
     levels = tf.cast(tf.convert_to_tensor(levels_f32), tf.float32)
     flat = _as_float32_flat(x)
     n = _static_numel(flat)
-    header_checks = (_encoder_header_check(header_u8, levels, n, bits, bucket_size, norm)
+    header_checks = (encoder_header_check(header_u8, levels, n, bits, bucket_size, norm)
                      if check else [])
     codes, norms, n = _quantize_codes(flat, levels, bucket_size=bucket_size, norm=norm,
                                       uniforms=uniforms, seed=seed, check=check,
-                                      extra_deps=header_checks)
+                                      extra_deps=header_checks, key=key)
     return tf.concat([header_u8, tf.reshape(tf.bitcast(norms, tf.uint8), [-1]),
                       _pack(codes, n, bits)], axis=0)
 
@@ -416,7 +333,7 @@ def _check_rows(payloads: tf.Tensor, size: int, expected_header_u8, check: bool)
                                                  "that numel/bits/bucket_size require"))
     if check:
         with tf.control_dependencies(checks):
-            checks += _decoder_header_check(payloads[:, :HEADER_SIZE],
+            checks += decoder_header_check(payloads[:, :HEADER_SIZE],
                                             tf.convert_to_tensor(expected_header_u8, tf.uint8))
     return checks
 
@@ -437,7 +354,7 @@ def decode_with(
     The payload's header must equal ``expected_header_u8`` byte for byte (graph assertions name
     the first differing field) and its size must be ``payload_size(numel, bits, bucket_size)``.
     """
-    bits = codec._check_bits(bits)
+    bits = codec.check_bits(bits)
     payload = tf.convert_to_tensor(payload, dtype=tf.uint8)
     if payload.shape.rank != 1:
         raise PayloadError(f"a payload must be 1-D uint8, got shape {payload.shape}")
@@ -464,7 +381,7 @@ def decode_average_with(
     Rows are added in rank order inside a ``tf.while_loop`` and the sum is divided by P with
     ``divide_no_nan`` (a true division even when P is a graph constant). P may be dynamic.
     """
-    bits = codec._check_bits(bits)
+    bits = codec.check_bits(bits)
     payloads = tf.convert_to_tensor(payloads, dtype=tf.uint8)
     if payloads.shape.rank != 2:
         raise PayloadError(f"gathered payloads must be [P, size] uint8, got shape {payloads.shape}")
@@ -491,9 +408,9 @@ def _eager_check_values(flat: tf.Tensor, bucket_size: int, norm: str) -> tf.Tens
     """Host-side validation in eager mode, with the numpy codec's messages."""
     norms = _norms(flat, _static_numel(flat), bucket_size, norm)
     if not bool(tf.reduce_all(tf.math.is_finite(flat))):
-        codec._as_float32_flat(flat.numpy())  # raises the non-finite message
+        codec.check_finite(flat.numpy())  # raises the non-finite message
     if not bool(tf.reduce_all(tf.math.is_finite(norms))):
-        codec._check_norms(norms.numpy())
+        codec.check_norms(norms.numpy())
     return norms
 
 
@@ -505,21 +422,23 @@ def encode(
     norm: str = "l2",
     seed: Any = None,
     uniforms: Any = None,
+    key: Any = None,
 ) -> tf.Tensor:
-    """``codec.encode`` in TensorFlow (see ``encode_with`` for ``seed`` / ``uniforms``)."""
+    """``codec.encode`` in TensorFlow (see ``encode_with`` for ``key`` / ``seed`` /
+    ``uniforms``)."""
     table = codec.as_table(levels)
-    bucket_size = codec._check_bucket_size(bucket_size)
-    norm = codec._check_norm(norm)
+    bucket_size = codec.check_bucket_size(bucket_size)
+    norm = codec.check_norm(norm)
     flat = _as_float32_flat(x)
     n = _static_numel(flat)
     eager = tf.executing_eagerly()
     if eager:
         _eager_check_values(flat, bucket_size, norm)
         if uniforms is not None:
-            codec._uniforms(n, None, np.asarray(uniforms))
+            codec.draw_uniforms(n, uniforms=np.asarray(uniforms))
     return encode_with(flat, levels_tensor(table), header_tensor(n, table, bucket_size, norm),
                        bits=table.bits, bucket_size=bucket_size, norm=norm, uniforms=uniforms,
-                       seed=seed, check=not eager)
+                       seed=seed, check=not eager, key=key)
 
 
 def quantize(
@@ -531,21 +450,22 @@ def quantize(
     seed: Any = None,
     uniforms: Any = None,
     dtype: tf.DType = tf.float32,
+    key: Any = None,
 ) -> tf.Tensor:
     """``decode(encode(x))`` without packing: the flat quantized values, bitwise the same."""
     table = codec.as_table(levels)
-    bucket_size = codec._check_bucket_size(bucket_size)
-    norm = codec._check_norm(norm)
+    bucket_size = codec.check_bucket_size(bucket_size)
+    norm = codec.check_norm(norm)
     flat = _as_float32_flat(x)
     n = _static_numel(flat)
     eager = tf.executing_eagerly()
     if eager:
         _eager_check_values(flat, bucket_size, norm)
         if uniforms is not None:
-            codec._uniforms(n, None, np.asarray(uniforms))
+            codec.draw_uniforms(n, uniforms=np.asarray(uniforms))
     codes, norms, n = _quantize_codes(flat, levels_tensor(table), bucket_size=bucket_size,
                                       norm=norm, uniforms=uniforms, seed=seed, check=not eager,
-                                      extra_deps=[])
+                                      extra_deps=[], key=key)
     if n == 0:
         return tf.zeros([0], dtype)
     values = tf.gather(_lookup(levels_tensor(table), table.bits), codes)
@@ -565,7 +485,7 @@ def _graph_settings(table, numel, bucket_size, norm) -> tuple[int, int, str]:
     if numel is None or bucket_size is None or norm is None:
         raise ValueError("inside tf.function, decode needs numel=, bucket_size= and norm= (the "
                          "payload's header cannot fix static shapes); or use decode_with")
-    return numel, codec._check_bucket_size(bucket_size), codec._check_norm(norm)
+    return numel, codec.check_bucket_size(bucket_size), codec.check_norm(norm)
 
 
 def decode(
@@ -619,24 +539,3 @@ def decode_average(
     return decode_average_with(payloads, levels_tensor(table),
                                header_tensor(numel, table, bucket_size, norm), numel=numel,
                                bits=table.bits, bucket_size=bucket_size, dtype=dtype, check=check)
-
-
-# ------------------------------------------------------------------------------- statistics
-
-
-def bucket_stats(x: Any, bucket_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(norms, means, stds) of the full non-zero buckets as float64 numpy arrays (eager only).
-
-    Same definition as ``codec.bucket_stats`` (u = v/‖v‖₂, std with ddof = 1), computed with TF
-    ops; only the three result vectors are copied to the host.
-    """
-    bucket_size = codec._check_int("bucket_size", bucket_size, 2, codec.MAX_BUCKET_SIZE)
-    flat = tf.cast(_as_float32_flat(x), tf.float64)
-    full_buckets = _static_numel(flat) // bucket_size
-    rows = tf.reshape(flat[: full_buckets * bucket_size], [full_buckets, bucket_size])
-    norms = tf.sqrt(tf.reduce_sum(tf.square(rows), axis=1))
-    keep = norms > 0
-    u = tf.boolean_mask(rows, keep) / tf.boolean_mask(norms, keep)[:, None]
-    means = tf.reduce_mean(u, axis=1)
-    var = tf.reduce_sum(tf.square(u - means[:, None]), axis=1) / (bucket_size - 1)
-    return tf.boolean_mask(norms, keep).numpy(), means.numpy(), tf.sqrt(var).numpy()

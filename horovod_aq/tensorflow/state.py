@@ -3,8 +3,8 @@
 Traced graphs (Horovod's cached ``tf.function``, a user's ``@tf.function`` train step, Keras'
 train function) must see refits *without retracing*. So everything a graph reads that changes
 between steps lives in ``tf.Variable`` objects owned by one :class:`TFState` per compressor
-(``compressor._fw_state["tensorflow"]``, created on first use by :func:`tf_state`; for an
-ErrorFeedback that is its inner compressor's ``_fw_state``):
+(``compression.quantizer.framework_state("tensorflow")``, created on first use by
+:func:`tf_state`; for an ErrorFeedback that is its quantizer's):
 
 =================  ==========================================================================
 ``levels``         float32 [N]: ``codec.float32_levels(table)``, assigned by a table listener
@@ -24,15 +24,15 @@ ErrorFeedback that is its inner compressor's ``_fw_state``):
 ``width_index``    int32 (DQSGD only): position of ``compressor.bits`` among the widths; the
                    packed exchange selects its encode/decode branch with ``tf.switch_case`` on
                    it, so a new width never retraces
-``memory``         (:class:`~horovod_aq.ErrorFeedback` only) float32 [numel] per fused bucket,
-                   keyed by bucket name: the error memory h, updated in-graph; the same
-                   variables are the values of ``compressor.memory``, so the core's
+``memory``         (compressions with an ``error_memory`` only) float32 [numel] per fused
+                   bucket, keyed by bucket name: the error memory h, updated in-graph; the same
+                   variables are the values of ``error_memory.memory``, so the core's
                    ``state_dict()`` and ``memory_norm()`` read them
 =================  ==========================================================================
 
 The eager :meth:`TFState.sync` (run by ``refit`` after every step) copies step, recording flag
 and width into the variables, and re-installs the memory variables when the core replaced
-``compressor.memory`` (``load_state_dict``, ``reset_memory``): the saved (or zero) memory is
+``error_memory.memory`` (``load_state_dict``, ``reset``): the saved (or zero) memory is
 assigned into the existing variables, which every traced graph keeps reading.
 
 Refit statistics are computed in-graph, on the tensor that is quantized, and written into a
@@ -63,13 +63,13 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
 from horovod_aq import codec
+from horovod_aq.backend import horovod_world
+from horovod_aq.codec import TABLE_ID_SLICE
 from horovod_aq.compressors import Compressor, seed_for_rank
 from horovod_aq.levels.table import LevelTable
+from horovod_aq.tensorflow.stats import graph_bucket_stats, graph_normalized_histogram
 
 logger = logging.getLogger(__name__)
-
-#: Header bytes that change at a refit: table version (u32) and table hash (u32).
-TABLE_ID_SLICE = slice(8, 16)
 
 
 def _direct_creator(next_creator, **kwargs):
@@ -95,58 +95,6 @@ def table_id_bytes(table: LevelTable) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8)[TABLE_ID_SLICE].copy()
 
 
-def graph_bucket_stats(flat: tf.Tensor, bucket_size: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """(norms, means, stds) in float64 of EVERY full bucket of a flat tensor, graph-safe.
-
-    Same definition as ``codec.bucket_stats`` (u = v/‖v‖₂, std with divisor B − 1) except that
-    zero buckets are kept (with mean 0, std 0) so that the shapes are static; the eager side
-    drops them (``norms > 0``) before ``compressor.record_stats``.
-    """
-    n = int(flat.shape.num_elements())
-    full = n // bucket_size
-    rows = tf.reshape(tf.cast(flat[: full * bucket_size], tf.float64), [full, bucket_size])
-    norms = tf.sqrt(tf.reduce_sum(tf.square(rows), axis=1))
-    u = rows / tf.where(norms > 0, norms, tf.ones_like(norms))[:, None]
-    means = tf.reduce_mean(u, axis=1)
-    var = tf.reduce_sum(tf.square(u - means[:, None]), axis=1) / (bucket_size - 1)
-    return norms, means, tf.sqrt(var)
-
-
-def graph_normalized_histogram(flat: tf.Tensor, bucket_size: int) -> tf.Tensor:
-    """``levels.stats.normalized_histogram`` in-graph: float64 weights of the default grid.
-
-    Every bucket, the partial tail with its own norm, zero buckets skipped; in float64
-    a = max|v|, s = v/a, ρ = √Σs², r = clip(s/ρ, −1, 1), weight (a·ρ)², bin = number of edges
-    ≤ r minus one, clamped to [0, H − 1] (the binning rule of ``levels.stats``).
-    """
-    from horovod_aq.levels.histogram import histogram_edges
-
-    edges_np = histogram_edges()
-    bins = edges_np.size - 1
-    n = int(flat.shape.num_elements())
-    full = n // bucket_size
-    x = tf.cast(flat, tf.float64)
-    blocks = []
-    if full:
-        blocks.append(tf.reshape(x[: full * bucket_size], [full, bucket_size]))
-    if n > full * bucket_size:
-        blocks.append(tf.reshape(x[full * bucket_size:], [1, n - full * bucket_size]))
-    out = tf.zeros([bins], tf.float64)
-    edges = tf.constant(edges_np[None, :])
-    for block in blocks:
-        amax = tf.reduce_max(tf.abs(block), axis=1)
-        keep = amax > 0
-        scaled = block / tf.where(keep, amax, tf.ones_like(amax))[:, None]
-        root = tf.sqrt(tf.reduce_sum(tf.square(scaled), axis=1))
-        r = tf.clip_by_value(scaled / tf.where(keep, root, tf.ones_like(root))[:, None], -1.0, 1.0)
-        weight = tf.where(keep, tf.square(amax * root), tf.zeros_like(amax))
-        k = tf.searchsorted(edges, tf.reshape(r, [1, -1]), side="right", out_type=tf.int32) - 1
-        k = tf.clip_by_value(tf.reshape(k, [-1]), 0, bins - 1)
-        w = tf.reshape(tf.broadcast_to(weight[:, None], tf.shape(block)), [-1])
-        out += tf.math.unsorted_segment_sum(w, k, bins)
-    return out
-
-
 class StatsSlot:
     """Variables receiving one call site's bucket statistics on recording steps (and the
     normalized histogram when the compressor's fit uses one, ``wants_histogram``)."""
@@ -154,14 +102,14 @@ class StatsSlot:
     def __init__(self, state: TFState, numel: int, name: str) -> None:
         self.state = state
         self.name = name  #: the call site (bucket name or stock call number)
-        self.buckets = numel // state.compressor.bucket_size
+        self.buckets = numel // state.quantizer.bucket_size
         zeros = np.zeros(self.buckets, np.float64)
         label = _var_name(name)
         self.norms = state_variable(zeros, name=f"aq_stats_norms_{label}")
         self.means = state_variable(zeros, name=f"aq_stats_means_{label}")
         self.stds = state_variable(zeros, name=f"aq_stats_stds_{label}")
         self.histogram: tf.Variable | None = None
-        if getattr(state.compressor, "wants_histogram", False):
+        if state.quantizer.wants_histogram:
             from horovod_aq.levels.histogram import HISTOGRAM_BINS
 
             self.histogram = state_variable(np.zeros(HISTOGRAM_BINS, np.float64),
@@ -170,7 +118,7 @@ class StatsSlot:
 
     def record(self, flat: tf.Tensor) -> tf.Tensor:
         """Graph op: when ``state.recording``, write the statistics of ``flat`` and the step."""
-        bucket_size = self.state.compressor.bucket_size
+        bucket_size = self.state.quantizer.bucket_size
 
         def write() -> tf.Tensor:
             norms, means, stds = graph_bucket_stats(flat, bucket_size)
@@ -226,30 +174,27 @@ class WidthState:
 class TFState:
     """The TensorFlow variables of one compressor (see the module docstring)."""
 
-    def __init__(self, compressor: Compressor) -> None:
-        from horovod_aq.dqsgd import DQSGD
-        from horovod_aq.error_feedback import ErrorFeedback
-
+    def __init__(self, compressor: Any) -> None:
         self.compressor = compressor
+        #: The compressor that owns tables, bits, step and refits (``compressor.quantizer``).
+        self.quantizer: Compressor = compressor.quantizer
+        #: The ECQ-SGD memory whose values live in :attr:`memory` (else None).
+        self.error_memory = compressor.error_memory
+        #: Whether the code width changes per step (DQSGD): selects a branch per width.
+        self.dynamic = bool(compressor.dynamic_width)
         self.lock = threading.Lock()
         self.slots: list[StatsSlot] = []
         #: Packed exchanges built on this compressor (``horovod_aq.tensorflow.packed``), by key.
         self.exchanges: dict[tuple, Any] = {}
         name = _var_name(compressor.name)
-        #: The ErrorFeedback compressor whose memory lives in :attr:`memory` (else None).
-        self.error_feedback = compressor if isinstance(compressor, ErrorFeedback) else None
-        base = self.error_feedback.inner if self.error_feedback is not None else compressor
-        #: The DQSGD compressor whose width selects the branch (else None).
-        self.dqsgd: DQSGD | None = base if isinstance(base, DQSGD) else None
+        q = self.quantizer
         self.widths: list[WidthState] = []
         self.levels: tf.Variable | None = None
         self.table_id: tf.Variable | None = None
         self.width_index: tf.Variable | None = None
         if compressor.quantizes:
-            sources = (sorted(self.dqsgd.widths.items()) if self.dqsgd is not None
-                       else [(compressor.table.bits, compressor)])
-            for bits, source in sources:
-                suffix = f"_b{bits}" if self.dqsgd is not None else ""
+            for bits, source in compressor.tables_by_width().items():
+                suffix = f"_b{bits}" if self.dynamic else ""
                 table = source.table
                 width = WidthState(
                     table.bits, source,
@@ -257,44 +202,43 @@ class TFState:
                     state_variable(table_id_bytes(table), name=f"aq_table_{name}{suffix}"))
                 source.add_table_listener(width.on_table)
                 self.widths.append(width)
-            if self.dqsgd is None:
+            if not self.dynamic:
                 self.levels, self.table_id = self.widths[0].levels, self.widths[0].table_id
             else:
                 self.width_index = state_variable(np.int32(self._width_position()),
                                                   name=f"aq_width_{name}")
-        self.recording = state_variable(bool(compressor.recording), name=f"aq_recording_{name}")
-        self.step = state_variable(np.int64(compressor.step), name=f"aq_step_{name}")
+        self.recording = state_variable(bool(q.recording), name=f"aq_recording_{name}")
+        self.step = state_variable(np.int64(q.step), name=f"aq_step_{name}")
         #: ErrorFeedback memory variables by bucket name (see :meth:`memory_variable`).
         self.memory: dict[str, tf.Variable] = {}
         #: In-graph resets of a non-finite memory (``reset_on_nonfinite``); logged by refit.
         self.memory_resets = (state_variable(np.int64(0), name=f"aq_ef_resets_{name}")
-                              if self.error_feedback is not None else None)
+                              if self.error_memory is not None else None)
         self._resets_seen = 0
         with tf.init_scope(), tf.variable_creator_scope(_direct_creator):
             self.generator = tf.random.Generator.from_seed(
-                seed_for_rank(compressor.seed, _rank()))
+                seed_for_rank(q.seed, horovod_world("horovod.tensorflow")[0]))
         self._synced = self._sync_key()
 
     # ------------------------------------------------------------------ eager updates
     def _width_position(self) -> int:
-        """Position of the DQSGD compressor's current width in :attr:`widths`."""
-        dqsgd = self.dqsgd
-        assert dqsgd is not None
-        keys = sorted(dqsgd.widths)
-        if dqsgd.bits not in keys:
-            raise ValueError(f"{dqsgd.name}: bits={dqsgd.bits} is not one of its widths {keys}")
-        bits = dqsgd.bits
-        return keys.index(bits)
+        """Position of the current width among :attr:`widths` (dynamic widths)."""
+        q = self.quantizer
+        keys = [w.bits for w in self.widths]
+        if q.bits not in keys:
+            raise ValueError(f"{q.name}: bits={q.bits} is not one of its widths {keys}")
+        return keys.index(q.bits)
 
     def _sync_key(self) -> tuple[int, int]:
-        return (self.compressor.step, self.dqsgd.bits if self.dqsgd is not None else -1)
+        q = self.quantizer
+        return (q.step, q.bits if self.dynamic else -1)
 
     def sync(self) -> None:
         """Copy the compressor's step, recording flag and (DQSGD) width into the variables and
         re-install error-feedback memory the core replaced (eager)."""
         with tf.init_scope():
-            self.recording.assign(bool(self.compressor.recording))
-            self.step.assign(np.int64(self.compressor.step))
+            self.recording.assign(bool(self.quantizer.recording))
+            self.step.assign(np.int64(self.quantizer.step))
             if self.width_index is not None:
                 self.width_index.assign(np.int32(self._width_position()))
             self._sync_memory()
@@ -308,13 +252,13 @@ class TFState:
 
     # ------------------------------------------------------------------ error feedback
     def memory_variable(self, key: str, numel: int) -> tf.Variable:
-        """The float32 [numel] memory variable of the fused bucket ``key`` (ErrorFeedback).
+        """The float32 [numel] memory variable of the fused bucket ``key`` (error feedback).
 
         Created on first use (eagerly, also while a graph traces) from the memory the compressor
         holds for ``key`` — a loaded checkpoint's, if its shape matches (the core's
-        ``_memory_for`` decides and warns) — else zeros, and installed as
-        ``compressor.memory[key]``."""
-        ef = self.error_feedback
+        ``ErrorMemory.saved`` decides and warns) — else zeros, and installed as
+        ``error_memory.memory[key]``."""
+        ef = self.error_memory
         if ef is None:
             raise TypeError(f"{self.compressor.name} keeps no error-feedback memory")
         with self.lock:
@@ -332,17 +276,17 @@ class TFState:
 
     def _initial_memory(self, key: str, numel: int) -> np.ndarray:
         """The value a memory variable starts from: what the compressor holds for ``key`` (a
-        loaded checkpoint's, when its shape matches: the core's ``_memory_for`` decides and
-        warns), else zeros."""
-        ef = self.error_feedback
+        loaded checkpoint's, when its shape matches: the core's ``ErrorMemory.saved`` decides
+        and warns), else zeros."""
+        ef = self.error_memory
         assert ef is not None
         zeros = np.zeros(numel, np.float32)
-        saved = ef._memory_for(key, zeros)
+        saved = ef.saved(key, zeros)
         return zeros if saved is None else np.asarray(saved, dtype=np.float32).reshape(numel)
 
     def _sync_memory(self) -> None:
-        """Re-install memory variables that ``compressor.memory`` no longer holds (eager)."""
-        ef = self.error_feedback
+        """Re-install memory variables that ``error_memory.memory`` no longer holds (eager)."""
+        ef = self.error_memory
         if ef is None:
             return
         with self.lock:
@@ -368,15 +312,14 @@ class TFState:
         if len(self.widths) != 1:
             raise TypeError(f"{self.compressor.name} has {len(self.widths)} code widths; use "
                             "its WidthState.header")
-        comp = self.compressor
-        return self.widths[0].header(numel, comp.bucket_size, comp.norm)
+        q = self.quantizer
+        return self.widths[0].header(numel, q.bucket_size, q.norm)
 
     def new_slot(self, numel: int, name: str) -> StatsSlot | None:
         """A statistics slot for a call site quantizing ``numel`` elements (None: a compressor
         that is never refitted, or nothing to record)."""
-        comp = self.compressor
-        if not comp.adaptive or numel == 0 or (
-                numel // comp.bucket_size == 0 and not getattr(comp, "wants_histogram", False)):
+        q = self.quantizer
+        if not q.adaptive or numel == 0 or (numel // q.bucket_size == 0 and not q.wants_histogram):
             return None
         slot = StatsSlot(self, numel, name)
         with self.lock:
@@ -386,7 +329,8 @@ class TFState:
     def flush_stats(self) -> int:
         """Hand the statistics recorded at the current step to the compressor (eager); returns
         the number of slots read."""
-        step = self.compressor.step
+        q = self.quantizer
+        step = q.step
         with self.lock:
             slots = list(self.slots)
         used = 0
@@ -396,9 +340,9 @@ class TFState:
                 used += 1
                 norms, means, stds, histogram = stats
                 if histogram is not None:
-                    self.compressor.record_stats(norms, means, stds, histogram=histogram)
+                    q.record_stats(norms, means, stds, histogram=histogram)
                 elif norms.size:
-                    self.compressor.record_stats(norms, means, stds)
+                    q.record_stats(norms, means, stds)
         return used
 
     # ------------------------------------------------------------------ checkpoints
@@ -420,40 +364,7 @@ def _var_name(text: str) -> str:
     return "".join(c if c.isalnum() or c in "_-." else "_" for c in text)
 
 
-def _rank() -> int:
-    try:
-        import horovod.tensorflow as hvd
-
-        return hvd.rank() if hvd.is_initialized() else 0
-    except ImportError:  # pragma: no cover - the integration requires Horovod
-        return 0
-
-
-def check_supported(compressor: Compressor, *, stock: bool = False) -> None:
-    """Refuse what a TensorFlow way in cannot carry.
-
-    The packed exchange carries every horovod_aq compressor (DQSGD widths and ErrorFeedback
-    memory included). Horovod's stock ``compression=`` path (``stock=True``) cannot carry DQSGD:
-    its width must follow the *aggregated* gradient in a fixed order, which Horovod's
-    per-tensor graph does not give (ErrorFeedback refuses the stock path by itself)."""
-    from horovod_aq.dqsgd import DQSGD
-
-    if stock and isinstance(compressor, DQSGD):
-        raise NotImplementedError(
-            f"{compressor.name}: DQSGD is not supported on Horovod's stock compression= path in "
-            "TensorFlow (its bit width derives from the aggregated gradient, which that path does "
-            "not see in a rank-identical order); use horovod_aq.tensorflow.DistributedGradientTape "
-            "or horovod_aq.keras.DistributedOptimizer (packed exchange)")
-
-
-def tf_state(compressor: Compressor) -> TFState:
-    """The compressor's :class:`TFState` (created on first use; restores a saved random stream)."""
-    state = compressor._fw_state.get("tensorflow")
-    if state is None:
-        state = TFState(compressor)
-        owner = getattr(compressor, "inner", compressor)  # ErrorFeedback: the inner's state
-        pending = getattr(owner, "_pending_framework_state", {}).pop("tensorflow", None)
-        if pending is not None:
-            state.load_state_dict(pending)
-        compressor._fw_state["tensorflow"] = state
-    return state
+def tf_state(compression: Any) -> TFState:
+    """The :class:`TFState` of ``compression``, kept by its quantizer (created on first use;
+    restores a saved random stream)."""
+    return compression.quantizer.framework_state("tensorflow", lambda: TFState(compression))

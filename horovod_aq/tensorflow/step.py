@@ -9,8 +9,8 @@ flags and recorded statistics in the same :class:`~horovod_aq.tensorflow.state.T
   ``tape.end_step()`` when the tape object lives outside the function) after each step;
 * Keras 3 ``model.fit``: ``horovod_aq.keras.RefitCallback`` calls it after each batch.
 
-Protocol (shared with PyTorch; ``Compressor.end_step``): during a recording step the traced
-graphs wrote per-bucket statistics into slots; here they are handed to
+Protocol (shared with PyTorch; ``Compressor.end_step``, docs/protocol.md §2): during a recording
+step the traced graphs wrote per-bucket statistics into slots; here they are handed to
 ``compressor.record_stats``, then ``compressor.end_step(comm)`` gathers them to rank 0 of the
 process set, fits, broadcasts the table (mpi4py under MPI, Horovod under Gloo) and advances the
 step. The table listener assigns the new levels to the variables the graphs read, and the
@@ -27,19 +27,19 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from horovod_aq.compressors import Compressor
 from horovod_aq.tensorflow.comm import comm_for
 from horovod_aq.tensorflow.state import tf_state
 
 logger = logging.getLogger(__name__)
 
 
-def refit(compressor: Compressor, *, process_set: hvd.ProcessSet | None = None) -> bool:
+def refit(compressor: Any, *, process_set: hvd.ProcessSet | None = None) -> bool:
     """End one training step of ``compressor`` on every rank of ``process_set``.
 
     Call it once per step, eagerly (outside ``tf.function``), after the optimizer step, on every
@@ -67,16 +67,16 @@ def refit(compressor: Compressor, *, process_set: hvd.ProcessSet | None = None) 
         exchanges = [e for e in state.exchanges.values()
                      if e.process_set.process_set_id == process_set.process_set_id]
     ran = [(e, e.take_calls()) for e in exchanges]
-    step = compressor.step
-    bits = compressor.table.bits if compressor.quantizes else compressor.bits  # this step's
+    q = compressor.quantizer
+    step, bits = q.step, compressor.code_bits  # this step's
     if process_set.size() > 1:
-        if state.dqsgd is not None:
-            _observe_aggregates(compressor, exchanges)
-        if compressor.recording:
+        if state.dynamic:
+            _observe_aggregates(q, exchanges)
+        if q.recording:
             state.flush_stats()
-        refitted = compressor.end_step(comm_for(process_set))
+        refitted = q.end_step(comm_for(process_set))
     else:
-        compressor.step += 1
+        q.step += 1
         refitted = False
     resets = state.take_memory_resets()
     if resets:
@@ -89,7 +89,7 @@ def refit(compressor: Compressor, *, process_set: hvd.ProcessSet | None = None) 
     return refitted
 
 
-def _observe_aggregates(compressor: Compressor, exchanges: list) -> None:
+def _observe_aggregates(compressor: Any, exchanges: list) -> None:
     """Hand DQSGD this step's aggregated-gradient norm, as the in-graph float64 Σ‖·‖² of every
     exchange (in creation order, the same on every rank). ``observe_aggregate`` takes a part of
     the aggregate; the graph already reduced the decoded buckets to their sum of squares S, and

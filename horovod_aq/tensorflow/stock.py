@@ -1,4 +1,4 @@
-"""TensorFlow side of the compressors on Horovod's stock ``compression=`` path.
+"""TensorFlow's side of Horovod's stock ``compression=`` path (decisions: :mod:`horovod_aq.stock`).
 
 ``hvd.DistributedGradientTape(tape, compression=horovod_aq.ALQ(bits=3))`` and
 ``horovod.tensorflow.keras.DistributedOptimizer(opt, compression=...)`` (tf_keras) call
@@ -31,19 +31,17 @@ exchange.
 from __future__ import annotations
 
 import itertools
-import logging
 from typing import Any
 
 import tensorflow as tf
 
+from horovod_aq import stock
+from horovod_aq.backend import horovod_world
 from horovod_aq.compressors import Compressor
 from horovod_aq.tensorflow import kernels
-from horovod_aq.tensorflow.state import check_supported, tf_state
+from horovod_aq.tensorflow.state import tf_state
 
-logger = logging.getLogger(__name__)
-
-#: Largest finite fp16 value: an fp16 sum over the ranks must stay below it.
-FP16_MAX = 65504.0
+FP16_MAX = stock.FP16_MAX
 _call_sites = itertools.count()
 
 
@@ -70,15 +68,14 @@ def compress(compressor: Compressor, tensor: Any) -> tuple[Any, Any]:
     tensor = tf.convert_to_tensor(tensor)
     if not tensor.dtype.is_floating:
         return tensor, None
-    if compressor.method == "fp16":
-        return tf.cast(tensor, tf.float16), tensor.dtype
-    if not compressor.quantizes:
+    route = stock.route(compressor, "tensorflow")
+    if route == "identity":
         return tensor, None
-    check_supported(compressor, stock=True)
+    if route == "fp16":
+        return tf.cast(tensor, tf.float16), tensor.dtype
     if tensor.shape.num_elements() is None:
         raise ValueError(f"{compressor.name}: the stock compression= path needs gradients with "
                          f"static shapes, got {tensor.shape}")
-    compressor.warn_stock_once()
     flat = tf.cast(tf.reshape(tensor, [-1]), tf.float32)
     n = int(flat.shape.num_elements())
     finite = tf.reduce_all(tf.math.is_finite(flat))
@@ -87,12 +84,10 @@ def compress(compressor: Compressor, tensor: Any) -> tuple[Any, Any]:
         q = quantize_local(compressor, flat)
         if n:
             peak = tf.reduce_max(tf.abs(q))
+            world = horovod_world("horovod.tensorflow")[1]
             guard = tf.debugging.Assert(
-                peak * tf.cast(_world(), tf.float32) <= FP16_MAX,
-                [(f"{compressor.name}: a quantized gradient value times the number of ranks "
-                  f"exceeds the fp16 range ({FP16_MAX}) of the stock compression= path; scale "
-                  "the loss down or use horovod_aq.tensorflow.DistributedGradientTape (packed "
-                  "exchange, fp32 norms). Peak value:"), peak])
+                peak * tf.cast(world, tf.float32) <= FP16_MAX,
+                [stock.fp16_range_message(compressor, "tensorflow") + ". Peak value:", peak])
             with tf.control_dependencies([guard]):
                 q = tf.identity(q)
         return q
@@ -100,12 +95,8 @@ def compress(compressor: Compressor, tensor: Any) -> tuple[Any, Any]:
     if compressor.nonfinite == "skip":  # every rank's sum becomes NaN: all skip alike
         q = tf.cond(finite, quantized, lambda: tf.fill([n], float("nan")))
     else:
-        check = tf.debugging.Assert(finite, [(
-            f"{compressor.name}: a gradient of shape {tensor.shape} has non-finite values on this "
-            "rank (Horovod's compression= hook does not say which variable; the packed "
-            "horovod_aq.tensorflow.DistributedGradientTape names it and stops every rank "
-            "together). Pass nonfinite='skip' to the compressor to send NaN so that every rank "
-            "skips the step.")])
+        check = tf.debugging.Assert(
+            finite, [stock.nonfinite_message(compressor, tensor.shape, "tensorflow")])
         with tf.control_dependencies([check]):
             q = quantized()
     return tf.reshape(tf.cast(q, tf.float16), tf.shape(tensor)), tensor.dtype
@@ -113,12 +104,3 @@ def compress(compressor: Compressor, tensor: Any) -> tuple[Any, Any]:
 
 def decompress(compressor: Compressor, tensor: Any, ctx: Any) -> Any:
     return tensor if ctx is None else tf.cast(tensor, ctx)
-
-
-def _world() -> int:
-    try:
-        import horovod.tensorflow as hvd
-
-        return hvd.size() if hvd.is_initialized() else 1
-    except ImportError:  # pragma: no cover
-        return 1

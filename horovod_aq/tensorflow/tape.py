@@ -48,8 +48,9 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from horovod_aq.compressors import Compressor, NoCompression
-from horovod_aq.exchange import NetworkModel
+from horovod_aq.compressors import NoCompression
+from horovod_aq.packed.cost import NetworkModel
+from horovod_aq.packed.protocol import check_average
 from horovod_aq.telemetry import Telemetry
 from horovod_aq.tensorflow.packed import DEFAULT_FUSION_BYTES, PackedExchange, exchange_for
 
@@ -80,7 +81,7 @@ class _DistributedGradientTape(tf.GradientTape):
         return self._aq_exchange.end_step()
 
     @property
-    def compression(self) -> Compressor:
+    def compression(self) -> Any:
         return self._aq_exchange.compression
 
     @property
@@ -97,10 +98,10 @@ class _DistributedGradientTape(tf.GradientTape):
         return self._aq_exchange.buckets
 
 
-_DEFAULT: list[Compressor] = []
+_DEFAULT: list[NoCompression] = []
 
 
-def _default_compression() -> Compressor:
+def _default_compression() -> NoCompression:
     """One shared NoCompression, so that tapes rebuilt every step reuse one exchange."""
     if not _DEFAULT:
         _DEFAULT.append(NoCompression())
@@ -109,7 +110,7 @@ def _default_compression() -> Compressor:
 
 def DistributedGradientTape(
     gradtape: tf.GradientTape,
-    compression: Compressor | None = None,
+    compression: Any = None,
     *,
     process_set: hvd.ProcessSet = hvd.global_process_set,
     exchange: str = "auto",
@@ -132,9 +133,7 @@ def DistributedGradientTape(
         telemetry: where step records go (default: an in-memory :class:`Telemetry`).
         op: only ``hvd.Average`` (the packed exchange averages).
     """
-    if op != hvd.Average:
-        raise ValueError("the packed exchange averages gradients (op=hvd.Average); use "
-                         "hvd.DistributedGradientTape for Sum or Adasum")
+    check_average(op, hvd.Average, "hvd.DistributedGradientTape")
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"gradtape must be a tf.GradientTape, got {type(gradtape).__name__}")
     packed = exchange_for(compression if compression is not None else _default_compression(),

@@ -17,8 +17,8 @@ _hvd = import_horovod("horovod.torch")
 
 _LAZY = {
     "DistributedOptimizer": "horovod_aq.torch.optimizer",
-    "DEFAULT_FUSION_BYTES": "horovod_aq.torch.optimizer",
-    "ConfigMismatchError": "horovod_aq.sync",
+    "DEFAULT_FUSION_BYTES": "horovod_aq.packed.plan",
+    "ConfigMismatchError": "horovod_aq.packed.protocol",
     "refit": "horovod_aq.torch.stock",
     "HorovodComm": "horovod_aq.torch.comm",
     "comm_for": "horovod_aq.torch.comm",

@@ -1,4 +1,4 @@
-"""The refit protocol's transport (:mod:`horovod_aq.sync`) over Horovod's PyTorch collectives.
+"""The refit protocol's transport (:mod:`horovod_aq.refit`) over Horovod's PyTorch collectives.
 
 Under the MPI controller the level-table agreement runs over mpi4py on a duplicate of the world
 communicator restricted to the process set (DESIGN.md) — when mpi4py initialized MPI, see
@@ -12,12 +12,12 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from horovod_aq import sync
-from horovod_aq.sync import Comm
+from horovod_aq import refit
+from horovod_aq.refit import Comm
 
 
-class HorovodComm(sync.HorovodComm):
-    """:class:`~horovod_aq.sync.Comm` over Horovod torch collectives on one process set."""
+class HorovodComm(refit.HorovodComm):
+    """:class:`~horovod_aq.refit.Comm` over Horovod torch collectives on one process set."""
 
     hvd = hvd
 
@@ -32,4 +32,4 @@ class HorovodComm(sync.HorovodComm):
 
 def comm_for(process_set: hvd.ProcessSet = hvd.global_process_set) -> Comm:
     """mpi4py under the MPI controller (when it initialized MPI), else :class:`HorovodComm`."""
-    return sync.comm_for(HorovodComm, process_set)
+    return refit.comm_for(HorovodComm, process_set)

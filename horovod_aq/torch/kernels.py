@@ -1,9 +1,9 @@
 """PyTorch kernels for the horovod_aq payload: the same bytes as the numpy oracle.
 
-``encode`` / ``decode`` / ``decode_average`` / ``quantize`` implement ``horovod_aq.codec`` (read its
-module docstring for the payload layout and the eight arithmetic steps) with torch ops only, on
-whatever device the input lives (CPU or CUDA). Given the same uniforms they produce the same bytes
-as ``codec.encode`` and the TensorFlow kernels, and each decodes the others' payloads::
+``encode`` / ``decode`` / ``decode_average`` / ``quantize`` implement ``horovod_aq.codec`` (the
+payload layout is ``codec.format``, the eight arithmetic steps ``codec.reference``) with torch ops
+only, on whatever device the input lives (CPU or CUDA). Given the same uniforms they produce the
+same bytes as ``codec.encode`` and the TensorFlow kernels, and each decodes the others' payloads::
 
     payload = encode(grad, table, bucket_size=512, generator=gen)     # uint8, same device
     gathered = hvd.allgather(payload, name="aq.ag.w").view(world, -1) # [P, size]
@@ -45,10 +45,22 @@ import torch
 
 from horovod_aq import codec
 from horovod_aq.codec import HEADER_SIZE, NORM_BYTES, PayloadError
+from horovod_aq.codec.stream import (
+    UNIFORM_BITS,
+    WORDS_PER_COUNTER,
+    StreamKey,
+    key_scalars,
+    philox4x32,
+)
 from horovod_aq.levels.table import LevelTable
+from horovod_aq.torch.stats import bucket_moments, normalized_histogram
 
-__all__ = ["bucket_norms", "bucket_stats", "decode", "decode_average", "encode", "pack_bits",
-           "quantize", "unpack_bits"]
+__all__ = ["bucket_moments", "bucket_norms", "bucket_stats", "decode", "decode_average", "encode",
+           "first_nonfinite", "normalized_histogram", "pack_bits", "quantize", "stream_uniforms",
+           "unpack_bits"]
+
+#: The former name of ``bucket_moments`` (kept for callers; same function).
+bucket_stats = bucket_moments
 
 #: Work on about this many elements at a time (rounded to whole buckets and groups of 8 codes),
 #: so that the float64 and index temporaries of one chunk stay in the CPU caches.
@@ -283,8 +295,8 @@ def _norms(flat: torch.Tensor, bucket_size: int, norm: str) -> torch.Tensor:
 
 def bucket_norms(x: torch.Tensor, bucket_size: int, norm: str = "l2") -> torch.Tensor:
     """float32 norm of every bucket (``codec.bucket_norms``), on x's device. No validation."""
-    bucket_size = codec._check_bucket_size(bucket_size)
-    return _norms(_as_float32_flat(x), bucket_size, codec._check_norm(norm))
+    bucket_size = codec.check_bucket_size(bucket_size)
+    return _norms(_as_float32_flat(x), bucket_size, codec.check_norm(norm))
 
 
 def first_nonfinite(x: torch.Tensor) -> int | None:
@@ -355,7 +367,7 @@ def _unpack(stream: torch.Tensor, bits: int) -> torch.Tensor:
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``codec.pack_bits`` in torch: codes (< 2^bits) → ⌈n·bits/8⌉ uint8."""
-    bits = codec._check_bits(bits)
+    bits = codec.check_bits(bits)
     n = codes.numel()
     padded = torch.zeros(-(-n // 8) * 8, dtype=torch.int32, device=codes.device)
     padded[:n] = codes.reshape(-1)
@@ -364,7 +376,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(stream: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """``codec.unpack_bits`` in torch: the first ``count`` codes, as uint8."""
-    bits = codec._check_bits(bits)
+    bits = codec.check_bits(bits)
     nbytes = codec.packed_size(count, bits)
     if stream.numel() < nbytes:
         raise PayloadError(f"code stream is truncated: {stream.numel()} bytes, {nbytes} needed")
@@ -392,8 +404,8 @@ def _explicit_uniforms(n: int, device, uniforms) -> torch.Tensor | None:
 def _prepare(x, levels, bucket_size, norm, uniforms):
     """Validate everything (one sync) before any uniform is drawn: bad input touches nothing."""
     table = codec.as_table(levels)
-    bucket_size = codec._check_bucket_size(bucket_size)
-    norm = codec._check_norm(norm)
+    bucket_size = codec.check_bucket_size(bucket_size)
+    norm = codec.check_norm(norm)
     flat = _as_float32_flat(x)
     _table(table, flat.device)  # validates the float32 table (codec.float32_levels) and caches it
     norms = _norms(flat, bucket_size, norm)
@@ -402,12 +414,28 @@ def _prepare(x, levels, bucket_size, norm, uniforms):
     return table, bucket_size, norm, flat, norms, u
 
 
-def _quantize_chunks(flat, norms, u, generator, table, bucket_size, emit) -> None:
+def stream_uniforms(n: int, key: StreamKey, device: Any = "cpu", start: int = 0) -> torch.Tensor:
+    """``codec.stream_uniforms`` in torch ops on ``device``: coordinates start … start+n−1 of
+    ``key``'s Philox stream (the format's, docs/format.md §6), bitwise the same floats."""
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    k0, k1, c1, c2, c3 = key_scalars(key)
+    first, last = start // WORDS_PER_COUNTER, (start + n - 1) // WORDS_PER_COUNTER
+    c0 = torch.arange(first, last + 1, dtype=torch.int64, device=device)
+    fill = [torch.full_like(c0, c) for c in (c1, c2, c3)]
+    words = torch.stack(philox4x32((c0, *fill), (k0, k1)), dim=1).reshape(-1)
+    offset = start - first * WORDS_PER_COUNTER
+    top = words[offset:offset + n] >> (32 - UNIFORM_BITS)
+    return top.to(torch.float32) * (2.0 ** -UNIFORM_BITS)
+
+
+def _quantize_chunks(flat, norms, u, generator, table, bucket_size, emit, key=None) -> None:
     """Normalize and round chunk by chunk; hand each chunk's int32 codes (zero-padded to a
     multiple of 8) to ``emit(start, stop, codes)``.
 
-    Without explicit uniforms each chunk draws ``torch.rand(stop − start, generator=…)`` in
-    order; on CPU this is the same stream as one ``torch.rand(n, generator=…)``.
+    Uniforms: explicit ``u``; else the chunk's part of ``key``'s stream (the format's); else
+    each chunk draws ``torch.rand(stop − start, generator=…)`` in order (on CPU the same stream
+    as one ``torch.rand(n, generator=…)``).
     """
     tab = _table(table, flat.device)
     safe = torch.where(norms == 0, torch.ones_like(norms), norms)  # zero bucket: 0 / 1 = 0
@@ -416,8 +444,12 @@ def _quantize_chunks(flat, norms, u, generator, table, bucket_size, emit) -> Non
         b0, b1 = start // bucket_size, -(-stop // bucket_size)
         r = _per_bucket(torch.div, flat[start:stop], safe[b0:b1], bucket_size)
         r.clamp_(-1.0, 1.0)
-        uc = u[start:stop] if u is not None else torch.rand(
-            size, generator=generator, device=flat.device, dtype=torch.float32)
+        if u is not None:
+            uc = u[start:stop]
+        elif key is not None:
+            uc = stream_uniforms(size, key, flat.device, start)
+        else:
+            uc = torch.rand(size, generator=generator, device=flat.device, dtype=torch.float32)
         codes = _round(r, uc, tab)
         if size % 8:
             codes = torch.nn.functional.pad(codes, (0, 8 - size % 8))
@@ -432,6 +464,7 @@ def encode(
     norm: str = "l2",
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
+    key: StreamKey | None = None,
 ) -> torch.Tensor:
     """Quantize and pack x into a uint8 payload on x's device (``codec.encode``).
 
@@ -440,7 +473,9 @@ def encode(
         levels: a ``LevelTable`` (or an array, taken as version 0).
         bucket_size, norm: as in ``codec.encode``.
         generator: ``torch.Generator`` on x's device for the uniforms (default: torch's global).
-        uniforms: n float32 values in [0, 1) (tensor or array); overrides ``generator``.
+        uniforms: n float32 values in [0, 1) (tensor or array); overrides ``key``/``generator``.
+        key: the format's random stream (``codec.StreamKey``): the same bytes as
+            ``codec.encode(..., key=key)``; overrides ``generator``.
     """
     table, bucket_size, norm, flat, norms, u = _prepare(x, levels, bucket_size, norm, uniforms)
     n, bits = flat.numel(), table.bits
@@ -458,7 +493,7 @@ def encode(
         hi = codec.packed_size(stop, bits)
         stream[lo:hi] = packed[: hi - lo]
 
-    _quantize_chunks(flat, norms, u, generator, table, bucket_size, emit)
+    _quantize_chunks(flat, norms, u, generator, table, bucket_size, emit, key)
     return payload
 
 
@@ -471,6 +506,7 @@ def quantize(
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
+    key: StreamKey | None = None,
 ) -> torch.Tensor:
     """``decode(encode(x))`` without packing: flat quantized values, bitwise the same."""
     table, bucket_size, norm, flat, norms, u = _prepare(x, levels, bucket_size, norm, uniforms)
@@ -483,7 +519,7 @@ def quantize(
         values = lookup.index_select(0, codes[: stop - start])
         _per_bucket(torch.mul, values, norms[b0:b1], bucket_size, out=out[start:stop])
 
-    _quantize_chunks(flat, norms, u, generator, table, bucket_size, emit)
+    _quantize_chunks(flat, norms, u, generator, table, bucket_size, emit, key)
     return out.to(dtype)
 
 
@@ -581,65 +617,3 @@ def decode_average(
         acc.add_(_decode_checked(payloads[rank], headers[rank], table))
     acc.div_(torch.full((), world, dtype=torch.float32, device=acc.device))
     return acc.to(dtype)
-
-
-# --------------------------------------------------------------------------------- statistics
-
-
-def bucket_stats(x: torch.Tensor, bucket_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(norms, means, stds) of the full buckets with a non-zero norm, as float64 numpy arrays.
-
-    Same definition as ``codec.bucket_stats`` (u = v/‖v‖₂, std with ddof = 1, float64), computed
-    on x's device; only the three result vectors are copied to the host.
-    """
-    bucket_size = codec._check_int("bucket_size", bucket_size, 2, codec.MAX_BUCKET_SIZE)
-    flat = _as_float32_flat(x)
-    full_buckets = flat.numel() // bucket_size
-    rows = flat[: full_buckets * bucket_size].view(full_buckets, bucket_size).to(torch.float64)
-    norms = rows.square().sum(dim=1).sqrt()
-    keep = norms > 0
-    u = rows[keep] / norms[keep, None]
-    stats = (norms[keep], u.mean(dim=1), u.std(dim=1, correction=1))
-    return tuple(t.cpu().numpy() for t in stats)  # type: ignore[return-value]
-
-
-#: Coordinates binned per pass by ``normalized_histogram`` (bounds its float64 temporaries).
-_HISTOGRAM_CHUNK = 1 << 20
-
-
-def normalized_histogram(x: torch.Tensor, bucket_size: int) -> np.ndarray:
-    """n_b²-weighted histogram of r = v/‖v_b‖ over every bucket (tail included), float64 numpy.
-
-    The device version of ``horovod_aq.levels.stats.normalized_histogram`` (same rule: in
-    float64 a = max|v|, s = v/a, ρ = √Σs², r = clip(s/ρ, −1, 1), weight (a·ρ)², bin = number of
-    edges ≤ r, minus one, clamped), fed to the histogram model of ALQ/AMQ refits. Runs only
-    at refit steps; one H-bin vector is copied to the host.
-    """
-    from horovod_aq.levels.histogram import histogram_edges
-
-    bucket_size = codec._check_int("bucket_size", bucket_size, 2, codec.MAX_BUCKET_SIZE)
-    flat = _as_float32_flat(x)
-    edges_np = histogram_edges()
-    edges = torch.from_numpy(edges_np.copy()).to(flat.device)
-    bins = edges_np.size - 1
-    out = torch.zeros(bins, dtype=torch.float64, device=flat.device)
-    full = flat.numel() // bucket_size
-    rows_per_chunk = max(1, _HISTOGRAM_CHUNK // bucket_size)
-    blocks = [flat[i * bucket_size:min(i + rows_per_chunk, full) * bucket_size]
-              .view(-1, bucket_size) for i in range(0, full, rows_per_chunk)]
-    if flat.numel() > full * bucket_size:
-        blocks.append(flat[full * bucket_size:].view(1, -1))
-    for block in blocks:
-        block = block.to(torch.float64)
-        amax = block.abs().amax(dim=1)
-        keep = amax > 0
-        if not bool(keep.any()):
-            continue
-        scaled = block[keep] / amax[keep, None]
-        root = scaled.square().sum(dim=1).sqrt()
-        r = (scaled / root[:, None]).clamp_(-1.0, 1.0)
-        weight = (amax[keep] * root).square()
-        k = (torch.bucketize(r, edges, right=True) - 1).clamp_(0, bins - 1)
-        out += torch.bincount(k.reshape(-1), weights=weight.repeat_interleave(block.shape[1]),
-                              minlength=bins)
-    return out.cpu().numpy()

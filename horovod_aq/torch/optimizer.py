@@ -6,7 +6,7 @@ created at run time like ``hvd.DistributedOptimizer`` does (base = the user's op
 attributes = Horovod's ``_DistributedOptimizer`` overlaid with :class:`_PackedOptimizer`), and
 only the submission of a gradient and the end of ``synchronize`` are replaced.
 
-Exchange (DESIGN.md, ``horovod.md`` §5):
+Exchange (docs/protocol.md §5; the per-rank decisions are :mod:`horovod_aq.packed.protocol`'s):
 
 * Parameters are fused into **buckets** in reverse registration order (≈ backward order), at
   most ``fusion_bytes`` of fp32 each, one device per bucket. A parameter's hook copies its
@@ -16,12 +16,13 @@ Exchange (DESIGN.md, ``horovod.md`` §5):
   decodes all P payloads in rank order and averages) or the **two-phase** exchange
   ("aq.a2a.<bucket>": alltoall of P chunks, decode and average chunk r, re-encode, then
   "aq.ag.<bucket>" allgather of the averaged chunks). ``exchange="auto"`` picks per bucket with
-  the cost model of :mod:`horovod_aq.exchange`. Both give bitwise-identical gradients on every
+  the cost model of :mod:`horovod_aq.packed.cost`. Both give bitwise-identical gradients on every
   rank.
 * Parameters below ``small_tensor_threshold`` elements (and all of them for NoCompression/FP16)
-  go through a named Horovod allreduce ("aq.ar.<param>"), fp16 for :class:`~horovod_aq.FP16`.
+  go through a named Horovod allreduce ("aq.ar.<prefix>.<param>"), fp16 for
+  :class:`~horovod_aq.FP16`.
 * At the first exchange the ranks compare settings, level table, step and bucket layout with one
-  allgather ("aq.handshake.<k>") and all fail with the same message on a mismatch — no hang.
+  allgather ("aq.handshake.x<k>.0") and all fail with the same message on a mismatch — no hang.
 * After each ``synchronize`` the compressor's ``end_step`` runs the refit protocol when its
   schedule says so (stats gathered to rank 0, fitted, broadcast; mpi4py under the MPI
   controller) and telemetry records the step.
@@ -29,7 +30,6 @@ Exchange (DESIGN.md, ``horovod.md`` §5):
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -49,27 +49,35 @@ from horovod.torch.mpi_ops import (
 from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
 
 from horovod_aq import codec
-from horovod_aq.compressors import Compressor, NoCompression
-from horovod_aq.error_feedback import ErrorFeedback
-from horovod_aq.exchange import (
+from horovod_aq.codec.stream import StreamKey
+from horovod_aq.compressors import NoCompression
+from horovod_aq.error_feedback import collective_state_dict, select_memory
+from horovod_aq.packed import plan as names
+from horovod_aq.packed.cost import NetworkModel, chunk_numel
+from horovod_aq.packed.plan import (
     DEFAULT_FUSION_BYTES,
     BucketPlan,
-    NetworkModel,
-    bytes_sent,
-    chunk_numel,
     layout_digest,
+    next_exchange_index,
     plan_buckets,
-    resolve_exchange,
 )
-from horovod_aq.sync import ConfigMismatchError, check_handshake, handshake_vector
-from horovod_aq.telemetry import StepRecord, Telemetry
+from horovod_aq.packed.protocol import (
+    ConfigMismatchError,
+    ExchangeSettings,
+    Traffic,
+    check_average,
+    check_compression,
+    check_handshake,
+    handshake_vector,
+    nonfinite_message,
+    plan_traffic,
+    step_record,
+)
+from horovod_aq.telemetry import Telemetry
 from horovod_aq.torch import kernels
 from horovod_aq.torch.comm import comm_for
-from horovod_aq.torch.stock import torch_state
 
 logger = logging.getLogger(__name__)
-
-_optimizer_counter = itertools.count()
 #: Poll interval bounds (seconds) while waiting for a collective; see ``wait``.
 WAIT_POLL_MIN_S = 20e-6
 WAIT_POLL_MAX_S = 1e-3
@@ -118,18 +126,21 @@ class _Bucket:
 class _PackedOptimizer(torch.optim.Optimizer):
     """Methods overlaid on Horovod's ``_DistributedOptimizer`` (see the module docstring)."""
 
-    def __init__(self, params, named_parameters, compression: Compressor, *,
-                 backward_passes_per_step: int, process_set: hvd.ProcessSet, exchange: str,
-                 fusion_bytes: int, small_tensor_threshold: int, sparse_as_dense: bool,
-                 network: NetworkModel, telemetry: Telemetry | None) -> None:
+    def __init__(self, params, named_parameters, compression: Any, *,
+                 backward_passes_per_step: int, process_set: hvd.ProcessSet,
+                 settings: ExchangeSettings, sparse_as_dense: bool,
+                 telemetry: Telemetry | None) -> None:
         self._aq = compression
-        self._aq_exchange = exchange
-        self._aq_network = network
+        self._aq_q = compression.quantizer          # table, bits, step, refits
+        self._aq_memory = compression.error_memory  # ECQ-SGD memory, or None
+        self._aq_settings = settings
         self._aq_telemetry = telemetry if telemetry is not None else Telemetry()
-        self._aq_index = next(_optimizer_counter)
+        self._aq_index = next_exchange_index()
+        self._aq_prefix = names.exchange_prefix(compression.name, self._aq_index)
         self._aq_checked = False
         self._aq_skip = False
-        self._aq_record: StepRecord | None = None
+        self._aq_started: tuple[int, int] | None = None   # (step, code bits) of this exchange
+        self._aq_traffic: dict[int, Traffic] = {}
         _HorovodOptimizer.__init__(
             self, params, named_parameters, compression=hvd.Compression.none,
             backward_passes_per_step=backward_passes_per_step, op=Average,
@@ -137,27 +148,31 @@ class _PackedOptimizer(torch.optim.Optimizer):
             process_set=process_set)
         self._aq_active = bool(self._requires_update)
         self._aq_ranks = process_set.size() if process_set.included() else 1
-        self._aq_plan(fusion_bytes, small_tensor_threshold)
+        self._aq_global_rank = hvd.rank()
+        self._aq_plan()
 
     # ------------------------------------------------------------------ layout
-    def _aq_plan(self, fusion_bytes: int, small_tensor_threshold: int) -> None:
+    def _aq_plan(self) -> None:
         """Assign every trainable parameter to a bucket or to the allreduce route, in reverse
-        registration order (≈ backward order); see :func:`horovod_aq.exchange.plan_buckets`."""
+        registration order (≈ backward order); see :func:`horovod_aq.packed.plan.plan_buckets`."""
         ordered = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         ordered.reverse()
-        names = [self._parameter_names[p] for p in ordered]
+        param_names = [self._parameter_names[p] for p in ordered]
+        comp, settings = self._aq, self._aq_settings
         plans, small = plan_buckets(
-            names, [p.numel() for p in ordered], [str(p.device) for p in ordered],
-            prefix=f"{self._aq.name}.o{self._aq_index}", cap_numel=max(1, fusion_bytes // 4),
-            small_threshold=small_tensor_threshold, quantizes=self._aq.quantizes,
-            exchange=self._aq_exchange, bits=self._aq.bits, bucket_size=self._aq.bucket_size,
-            ranks=self._aq_ranks, network=self._aq_network)
+            param_names, [p.numel() for p in ordered], [str(p.device) for p in ordered],
+            prefix=f"{self._aq_prefix}.0", cap_numel=settings.cap_numel,
+            small_threshold=settings.small_tensor_threshold, quantizes=comp.quantizes,
+            exchange=settings.exchange, bits=comp.code_bits, bucket_size=comp.bucket_size,
+            ranks=self._aq_ranks, network=settings.network)
         self._aq_route: dict[torch.Tensor, _Bucket | None] = {ordered[i]: None for i in small}
+        self._aq_small_numels = [ordered[i].numel() for i in small]
+        self._aq_plans = plans
         self._aq_buckets = [_Bucket(plan, [ordered[i] for i in plan.members]) for plan in plans]
         for bucket in self._aq_buckets:
             for p in bucket.params:
                 self._aq_route[p] = bucket
-        self._aq_layout = layout_digest(plans, [names[i] for i in small])
+        self._aq_layout = layout_digest(plans, [param_names[i] for i in small])
 
     @property
     def buckets(self) -> list[tuple[str, int, str, list[str]]]:
@@ -166,7 +181,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
                 for b in self._aq_buckets]
 
     @property
-    def compression(self) -> Compressor:
+    def compression(self) -> Any:
         return self._aq
 
     @property
@@ -178,7 +193,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         """One allgather of settings, table, step and layout; every rank raises the same error."""
         mine = handshake_vector(self._aq.fingerprint(), self._aq_layout, self._aq_ranks)
         gathered = hvd.allgather(torch.from_numpy(mine).reshape(1, -1),
-                                 name=f"aq.handshake.{self._aq_index}",
+                                 name=names.handshake_name(self._aq_index, 0),
                                  process_set=self.process_set).numpy()
         self._aq_checked = True
         check_handshake(gathered, self._aq.describe_fingerprint)
@@ -189,9 +204,8 @@ class _PackedOptimizer(torch.optim.Optimizer):
             p.grad = p.data.new(p.size()).zero_()
         if not self._aq_checked:
             self._aq_handshake()
-        if self._aq_record is None:
-            self._aq_record = StepRecord(step=self._aq.step, method=self._aq.method,
-                                         ranks=self._aq_ranks, bits=self._aq.bits)
+        if self._aq_started is None:
+            self._aq_started = (self._aq_q.step, self._aq.code_bits)
         bucket = self._aq_route[p]
         grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
         if bucket is None:
@@ -206,54 +220,45 @@ class _PackedOptimizer(torch.optim.Optimizer):
 
     def _aq_allreduce(self, p: torch.Tensor, grad: torch.Tensor) -> Callable[[], torch.Tensor]:
         dtype = grad.dtype
-        wire = grad.to(torch.float16) if self._aq.method == "fp16" else grad.clone()
-        handle = allreduce_async_(wire, name=f"aq.ar.{self._parameter_names[p]}", op=Average,
-                                  process_set=self.process_set)
-        rec = self._aq_record
-        rec.numel += grad.numel()
-        rec.bytes_sent += bytes_sent("allreduce_fp16" if wire.dtype == torch.float16
-                                     else "allreduce_fp32", grad.numel(), 0, 1, self._aq_ranks)
+        wire = grad.to(torch.float16) if self._aq.fp16_wire else grad.clone()
+        handle = allreduce_async_(wire, name=names.allreduce_name(self._aq_prefix,
+                                                                  self._parameter_names[p]),
+                                  op=Average, process_set=self.process_set)
+
         def output() -> torch.Tensor:
             out = wait(handle)
-            self._aq.observe_aggregate(out)
+            self._aq_q.observe_aggregate(out)
             return out.to(dtype)
         return output
 
     def _aq_encode(self, x: torch.Tensor, bucket: _Bucket, part: int = 0) -> torch.Tensor:
-        """Encode with the uniforms of (step, bucket, part) — see ``TorchState.stream``."""
-        comp = self._aq
-        gen = torch_state(comp).stream(x.device, comp.step, bucket.index, part)
-        return kernels.encode(x, comp.table, bucket_size=comp.bucket_size, norm=comp.norm,
-                              generator=gen)
+        """Encode with the format's stream of (seed, rank, step, bucket, part) (docs/format.md §6):
+        a resumed run draws exactly what an uninterrupted one would."""
+        q = self._aq_q
+        key = StreamKey(q.seed, self._aq_global_rank, q.step, bucket.index, part)
+        return kernels.encode(x, q.table, bucket_size=q.bucket_size, norm=q.norm, key=key)
 
     def _aq_submit(self, bucket: _Bucket) -> None:
-        comp, P, rec = self._aq, self._aq_ranks, self._aq_record
-        ef = comp if isinstance(comp, ErrorFeedback) else None
+        q, P, ef = self._aq_q, self._aq_ranks, self._aq_memory
         raw = bucket.buffer
         first_bad = kernels.first_nonfinite(raw)
         if first_bad is not None:   # send a marker of the same size: every rank learns of it
             self._aq_send_marker(bucket, first_bad)
             return
         x = ef.compensate(bucket.name, raw) if ef is not None else raw   # g + α·h
-        if comp.recording:
-            comp.record_stats(*kernels.bucket_stats(x, comp.bucket_size),
-                              histogram=kernels.normalized_histogram(x, comp.bucket_size)
-                              if comp.wants_histogram else None)
-        rec.numel += bucket.numel
-        rec.numel_quantized += bucket.numel
-        rec.exchanges[bucket.mode] = rec.exchanges.get(bucket.mode, 0) + 1
+        if q.recording:
+            q.record_stats(*kernels.bucket_moments(x, q.bucket_size),
+                           histogram=kernels.normalized_histogram(x, q.bucket_size)
+                           if q.wants_histogram else None)
         if bucket.mode == "allgather":
             payload = self._aq_encode(x, bucket)
             if ef is not None:   # h ← β·h + (g − g̃), g̃ = what this rank sent
-                ef.update(bucket.name, raw,
-                          kernels.decode(payload, comp.table, dtype=torch.float32))
-            rec.payload_bytes += payload.numel()
-            rec.bytes_sent += (P - 1) * payload.numel()
-            bucket.handle = allgather_async(payload, name=f"aq.ag.{bucket.name}",
+                ef.update(bucket.name, raw, kernels.decode(payload, q.table, dtype=torch.float32))
+            bucket.handle = allgather_async(payload, name=names.allgather_name(bucket.name),
                                             process_set=self.process_set)
             bucket.stage = "ag"
             return
-        m = chunk_numel(bucket.numel, P, comp.bucket_size)
+        m = chunk_numel(bucket.numel, P, q.bucket_size)
         if bucket.padded is None or bucket.padded.numel() != P * m:   # zero tail, kept
             bucket.padded = torch.zeros(P * m, dtype=torch.float32, device=x.device)
         padded = bucket.padded
@@ -261,29 +266,27 @@ class _PackedOptimizer(torch.optim.Optimizer):
         chunk_payloads = [self._aq_encode(chunk, bucket, k)
                           for k, chunk in enumerate(padded.view(P, m))]
         if ef is not None:
-            sent = torch.cat([kernels.decode(c, comp.table, dtype=torch.float32)
+            sent = torch.cat([kernels.decode(c, q.table, dtype=torch.float32)
                               for c in chunk_payloads])[:bucket.numel]
             ef.update(bucket.name, raw, sent)
-        payloads = torch.cat(chunk_payloads)
-        rec.payload_bytes += payloads.numel()
-        rec.bytes_sent += 2 * (P - 1) * (payloads.numel() // P)
-        bucket.handle = alltoall_async(payloads, name=f"aq.a2a.{bucket.name}",
+        bucket.handle = alltoall_async(torch.cat(chunk_payloads),
+                                       name=names.alltoall_name(bucket.name),
                                        process_set=self.process_set)
         bucket.stage = "a2a"
 
     def _aq_send_marker(self, bucket: _Bucket, first_bad: int) -> None:
         """Submit non-finite markers (``codec.nonfinite_payload``) in place of the payloads."""
-        comp, P = self._aq, self._aq_ranks
+        q, P = self._aq_q, self._aq_ranks
         numel = bucket.numel if bucket.mode == "allgather" else chunk_numel(
-            bucket.numel, P, comp.bucket_size)
+            bucket.numel, P, q.bucket_size)
         marker = torch.from_numpy(codec.nonfinite_payload(
-            numel, comp.table, comp.bucket_size, comp.norm, first_bad)).to(bucket.buffer.device)
+            numel, q.table, q.bucket_size, q.norm, first_bad)).to(bucket.buffer.device)
         if bucket.mode == "allgather":
-            bucket.handle = allgather_async(marker, name=f"aq.ag.{bucket.name}",
+            bucket.handle = allgather_async(marker, name=names.allgather_name(bucket.name),
                                             process_set=self.process_set)
             bucket.stage = "ag"
         else:
-            bucket.handle = alltoall_async(marker.repeat(P), name=f"aq.a2a.{bucket.name}",
+            bucket.handle = alltoall_async(marker.repeat(P), name=names.alltoall_name(bucket.name),
                                            process_set=self.process_set)
             bucket.stage = "a2a"
 
@@ -305,11 +308,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         if bucket.stage == "a2a":   # a chunk of the padded bucket: the sender flagged all chunks
             where = None
         param = self._aq_param_at(bucket, where)
-        raise codec.NonFiniteGradientError(
-            f"rank {rank} (of the process set) computed a non-finite gradient"
-            f"{f' for parameter {param!r}' if param else f' in bucket {bucket.name}'}; every "
-            "rank stops here. Lower the learning rate or use loss scaling, or pass "
-            "nonfinite='skip' to the compressor to skip such steps on every rank.", where)
+        raise codec.NonFiniteGradientError(nonfinite_message(rank, param, bucket.name), where)
 
     def _aq_param_at(self, bucket: _Bucket, element: int | None) -> str | None:
         if element is None:
@@ -327,15 +326,15 @@ class _PackedOptimizer(torch.optim.Optimizer):
 
     def _aq_progress(self, bucket: _Bucket) -> None:
         """Move ``bucket`` one stage on, blocking on its collective."""
-        comp, P = self._aq, self._aq_ranks
+        table, P = self._aq_q.table, self._aq_ranks
         if bucket.stage == "a2a":
             received = wait(bucket.handle)
             received = received[0] if isinstance(received, (tuple, list)) else received
             if self._aq_nonfinite(bucket, received.view(P, -1)):
                 return
-            chunk = kernels.decode_average(received.view(P, -1), comp.table, dtype=torch.float32)
+            chunk = kernels.decode_average(received.view(P, -1), table, dtype=torch.float32)
             bucket.handle = allgather_async(self._aq_encode(chunk, bucket, P),
-                                            name=f"aq.ag.{bucket.name}",
+                                            name=names.allgather_name(bucket.name),
                                             process_set=self.process_set)
             bucket.stage = "ag2"
         elif bucket.stage in ("ag", "ag2"):
@@ -343,11 +342,11 @@ class _PackedOptimizer(torch.optim.Optimizer):
             if bucket.stage == "ag" and self._aq_nonfinite(bucket, gathered):
                 return
             if bucket.stage == "ag":
-                bucket.result = kernels.decode_average(gathered, comp.table, dtype=torch.float32)
+                bucket.result = kernels.decode_average(gathered, table, dtype=torch.float32)
             else:
-                parts = [kernels.decode(row, comp.table, dtype=torch.float32) for row in gathered]
+                parts = [kernels.decode(row, table, dtype=torch.float32) for row in gathered]
                 bucket.result = torch.cat(parts)[:bucket.numel]
-            comp.observe_aggregate(bucket.result)
+            self._aq_q.observe_aggregate(bucket.result)
             bucket.stage = "done"
         else:
             raise RuntimeError(f"bucket {bucket.name} was never submitted (stage {bucket.stage})")
@@ -368,26 +367,28 @@ class _PackedOptimizer(torch.optim.Optimizer):
             return
         for bucket in self._aq_buckets:
             bucket.reset()
-        rec = self._aq_record
-        self._aq_record = None
+        started, self._aq_started = self._aq_started, None
+        q = self._aq_q
         if not self._aq_active:
-            self._aq.step += 1
+            q.step += 1
             return
-        refitted = self._aq.end_step(comm_for(self.process_set)) if self._aq.quantizes else False
-        if not self._aq.quantizes:
-            self._aq.step += 1
-        if rec is not None:
-            rec.bytes_fp32 = bytes_sent("allreduce_fp32", rec.numel, 0, 1, self._aq_ranks)
-            if self._aq.quantizes:
-                rec.table_version = self._aq.table.version
-            rec.refit = refitted
-            if refitted:
-                rec.levels = self._aq.table.levels.tolist()
-            if isinstance(self._aq, ErrorFeedback):
-                rec.extra["ef_memory_norm"] = self._aq.memory_norm()
-            if self._aq_skip:
-                rec.extra["skipped"] = 1.0
-            self._aq_telemetry.record(rec)
+        refitted = q.end_step(comm_for(self.process_set)) if q.quantizes else False
+        if not q.quantizes:
+            q.step += 1
+        if started is not None:
+            step, bits = started
+            self._aq_telemetry.record(step_record(
+                self._aq, step=step, ranks=self._aq_ranks, bits=bits,
+                traffic=self._aq_traffic_at(bits), refitted=refitted,
+                skipped=int(self._aq_skip)))
+
+    def _aq_traffic_at(self, bits: int) -> Traffic:
+        """What one exchange of this optimizer's plan sends at code width ``bits``."""
+        if bits not in self._aq_traffic:
+            self._aq_traffic[bits] = plan_traffic(
+                self._aq_plans, self._aq_small_numels, fp16=self._aq.fp16_wire, bits=bits,
+                bucket_size=self._aq.bucket_size, ranks=self._aq_ranks)
+        return self._aq_traffic[bits]
 
     def step(self, closure=None):
         """Horovod's step (synchronize, then the wrapped optimizer's step), except that a step
@@ -401,7 +402,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         if self._aq_skip:
             logger.warning("step %d skipped on every rank: a rank's gradient was non-finite",
-                           self._aq.step - 1)
+                           self._aq_q.step - 1)
             return None
         return super(self.__class__, self).step(closure)
 
@@ -415,28 +416,14 @@ class _PackedOptimizer(torch.optim.Optimizer):
         feedback it is local and the same on every rank.
         """
         state = super(self.__class__, self).state_dict()
-        aq_state = self._aq.state_dict()
-        if isinstance(self._aq, ErrorFeedback):
-            local = aq_state.pop("memory")
-            aq_state["memory"] = {}
-            aq_state["memory_by_rank"] = self._aq_gather_memory(local)
-            aq_state["world"] = self._aq_ranks
-        state["horovod_aq"] = aq_state
+        world = self._aq_ranks if self._aq_active else 1
+        state["horovod_aq"] = collective_state_dict(
+            self._aq, [(b.name, b.numel) for b in self._aq_buckets], world, self._aq_allgather)
         return state
 
-    def _aq_gather_memory(self, local: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
-        if self._aq_ranks == 1 or not self._aq_active:
-            return {0: local}
-        out: dict[int, dict[str, np.ndarray]] = {r: {} for r in range(self._aq_ranks)}
-        for bucket in self._aq_buckets:
-            mine = local.get(bucket.name)
-            mine = np.zeros(bucket.numel, np.float32) if mine is None else mine.reshape(-1)
-            rows = hvd.allgather(torch.from_numpy(mine).reshape(1, -1),
-                                 name=f"aq.efstate.{bucket.name}",
-                                 process_set=self.process_set).numpy()
-            for r in range(self._aq_ranks):
-                out[r][bucket.name] = rows[r].copy()
-        return out
+    def _aq_allgather(self, rows: np.ndarray, name: str) -> np.ndarray:
+        return hvd.allgather(torch.from_numpy(rows), name=name,
+                             process_set=self.process_set).numpy()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (saved on one rank, loaded on all). Levels, versions and
@@ -447,27 +434,18 @@ class _PackedOptimizer(torch.optim.Optimizer):
         _HorovodOptimizer.load_state_dict(self, state)
         for bucket in self._aq_buckets:
             bucket.reset()
-        self._aq_record = None
+        self._aq_started = None
         self._aq_checked = False
         if aq_state is None:
             return
-        if isinstance(self._aq, ErrorFeedback) and "memory_by_rank" in aq_state:
-            aq_state = dict(aq_state)
-            by_rank, world = aq_state.pop("memory_by_rank"), aq_state.pop("world")
-            if world == self._aq_ranks:
-                aq_state["memory"] = by_rank.get(self.process_set.rank(), {})
-            else:
-                logger.warning("error-feedback memory was saved with %d ranks and this job has "
-                               "%d: it restarts from zero (levels and steps are kept)",
-                               world, self._aq_ranks)
-                aq_state["memory"] = {}
-        self._aq.load_state_dict(aq_state)
+        rank = self.process_set.rank() if self.process_set.included() else 0
+        self._aq.load_state_dict(select_memory(self._aq, aq_state, rank, self._aq_ranks))
 
 
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-    compression: Compressor | None = None,
+    compression: Any = None,
     *,
     backward_passes_per_step: int = 1,
     process_set: hvd.ProcessSet = hvd.global_process_set,
@@ -497,23 +475,16 @@ def DistributedOptimizer(
         telemetry: where step records go (default: an in-memory :class:`Telemetry`).
         op, groups: only ``op=hvd.Average`` and ``groups=None`` are supported.
     """
-    if op != Average:
-        raise ValueError("the packed exchange averages gradients (op=hvd.Average); use "
-                         "hvd.DistributedOptimizer for Sum or Adasum")
+    check_average(op, Average, "hvd.DistributedOptimizer")
     if groups is not None:
         raise ValueError("groups= is not supported: the packed exchange fuses gradients into its "
                          "own buckets (tune fusion_bytes instead)")
     if compression is None:
         compression = NoCompression()
-    if not isinstance(compression, Compressor):
-        raise TypeError(
-            "compression must be a horovod_aq compressor such as horovod_aq.ALQ(bits=3); Horovod's "
-            "hvd.Compression.* objects belong to hvd.DistributedOptimizer")
+    check_compression(compression, "hvd.DistributedOptimizer")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-    if fusion_bytes < 4:
-        raise ValueError(f"fusion_bytes must be >= 4, got {fusion_bytes}")
-    resolve_exchange(exchange, 1, 1, 1, 1)  # validates the name
+    settings = ExchangeSettings(exchange, fusion_bytes, small_tensor_threshold, network)
     if not hvd.is_initialized():
         raise RuntimeError("call horovod.torch.init() before creating the DistributedOptimizer")
     attrs = dict(_HorovodOptimizer.__dict__)
@@ -522,9 +493,7 @@ def DistributedOptimizer(
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), attrs)
     return cls(optimizer.param_groups, named_parameters, compression,
                backward_passes_per_step=backward_passes_per_step, process_set=process_set,
-               exchange=exchange, fusion_bytes=fusion_bytes,
-               small_tensor_threshold=small_tensor_threshold, sparse_as_dense=sparse_as_dense,
-               network=network or NetworkModel(), telemetry=telemetry)
+               settings=settings, sparse_as_dense=sparse_as_dense, telemetry=telemetry)
 
 
 __all__ = ["DistributedOptimizer", "ConfigMismatchError", "DEFAULT_FUSION_BYTES"]

@@ -1,0 +1,107 @@
+"""The horovod_aq payload: one uint8 buffer per gradient, and the numpy oracle that writes it.
+
+Three modules (every public name is re-exported here, so ``codec.encode`` etc. keep working):
+
+* ``horovod_aq.codec.format``: the wire format — the layout byte by byte, the header fields and
+  offsets, sizes, ``make_header`` / ``parse_header`` / ``check_header``, the non-finite marker,
+  the errors and the validators and messages shared by every kernel (``docs/format.md``);
+* ``horovod_aq.codec.bits``: LSB-first bit packing of the codes;
+* ``horovod_aq.codec.stream``: the counter-based random stream of stochastic rounding
+  (Philox4x32-10 keyed by seed, rank, step, bucket and part), part of the format;
+* ``horovod_aq.codec.reference``: the numpy reference encoder/decoder and its eight arithmetic
+  steps, which ``horovod_aq.torch.kernels`` and ``horovod_aq.tensorflow.kernels`` match byte for
+  byte.
+
+Per-bucket statistics are not part of the codec: they are ``horovod_aq.levels.stats``
+(``bucket_moments``); ``bucket_stats`` here is a deprecated alias of it.
+
+This package imports numpy only, never torch or tensorflow.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from horovod_aq.codec import reference as _reference
+from horovod_aq.codec.bits import pack_bits, unpack_bits
+from horovod_aq.codec.format import (
+    CODES_PER_GROUP,
+    FLAG_NONFINITE,
+    FLAGS_OFFSET,
+    FLOAT32_TINY,
+    FORMAT_VERSION,
+    HEADER_FIELDS,
+    HEADER_FORMAT,
+    HEADER_SIZE,
+    MAGIC,
+    MARKER_INDEX_OFFSET,
+    MAX_BUCKET_SIZE,
+    MAX_NUMEL,
+    NORM_BYTES,
+    NORM_CODES,
+    NORM_NAMES,
+    TABLE_ID_SLICE,
+    Header,
+    NonFiniteGradientError,
+    PayloadError,
+    as_bytes,
+    as_table,
+    check_bits,
+    check_bucket_size,
+    check_finite,
+    check_header,
+    check_int,
+    check_norm,
+    check_norms,
+    check_size,
+    float32_levels,
+    make_header,
+    non_finite_message,
+    nonfinite_payload,
+    nonfinite_rows,
+    norm_overflow_message,
+    num_buckets,
+    packed_size,
+    parse_header,
+    payload_size,
+)
+from horovod_aq.codec.reference import (
+    bucket_norms,
+    check_rows,
+    decode,
+    decode_average,
+    draw_uniforms,
+    encode,
+    pairwise_sum_rows,
+    quantize,
+    quantize_codes,
+    rounding_variance,
+)
+from horovod_aq.codec.stream import StreamKey, philox4x32, seed_for_rank, stream_uniforms
+from horovod_aq.levels.stats import bucket_moments
+
+__all__ = [
+    "CODES_PER_GROUP", "FLAGS_OFFSET", "FLAG_NONFINITE", "FLOAT32_TINY", "FORMAT_VERSION",
+    "HEADER_FIELDS", "HEADER_FORMAT", "HEADER_SIZE", "MAGIC", "MARKER_INDEX_OFFSET",
+    "MAX_BUCKET_SIZE", "MAX_NUMEL", "NORM_BYTES", "NORM_CODES", "NORM_NAMES", "TABLE_ID_SLICE",
+    "Header", "NonFiniteGradientError", "PayloadError", "as_bytes", "as_table", "bucket_moments",
+    "bucket_norms", "bucket_stats", "check_bits", "check_bucket_size", "check_finite",
+    "check_header", "check_int", "check_norm", "check_norms", "check_rows", "check_size", "decode",
+    "decode_average", "draw_uniforms", "encode", "float32_levels", "make_header",
+    "non_finite_message", "nonfinite_payload", "nonfinite_rows", "norm_overflow_message",
+    "num_buckets", "pack_bits", "packed_size", "pairwise_sum_rows", "parse_header", "payload_size",
+    "quantize", "quantize_codes", "rounding_variance", "unpack_bits", "StreamKey", "philox4x32",
+    "seed_for_rank", "stream_uniforms",
+]
+
+
+def bucket_stats(x: Any, bucket_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Deprecated: use ``horovod_aq.levels.stats.bucket_moments`` (statistics left the codec).
+
+    ``bucket_moments`` of x cast to float32, after the checks and messages this function always
+    had (bucket_size in 2..2^32 − 1; a finite floating-point x).
+    """
+    bucket_size = check_int("bucket_size", bucket_size, 2, MAX_BUCKET_SIZE)
+    return bucket_moments(_reference._as_float32_flat(x), bucket_size)

@@ -1,0 +1,126 @@
+"""Which tensors travel together, and the names of every collective the package issues.
+
+Fusion (docs/protocol.md §6): tensors are fused in backward order into buckets of at most
+``cap_numel`` coordinates on one device; each bucket takes the wire the cost model picks
+(:mod:`horovod_aq.packed.cost`). Names: every collective has an explicit name built from the
+compressor's name, the exchange's index, the bucket's position and a CRC-32 of its members'
+names, so it is identical on every rank that builds the same model — never Horovod's counter
+names.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import zlib
+from dataclasses import dataclass
+
+from horovod_aq.packed.cost import NetworkModel, resolve_exchange
+
+#: Largest fused bucket of the packed optimizers, in bytes of fp32 gradient (PyTorch DDP's
+#: default bucket cap).
+DEFAULT_FUSION_BYTES = 25 * 2**20
+
+_exchange_indices = itertools.count()
+
+
+def next_exchange_index() -> int:
+    """The index of a new packed exchange in this process (the same order on every rank)."""
+    return next(_exchange_indices)
+
+
+def op_name(text: str) -> str:
+    """A Horovod/TF op name: no '/' (Horovod strips name scopes up to the last one) or ':'."""
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", text)
+
+
+def exchange_prefix(compression_name: str, index: int) -> str:
+    """The name prefix of one packed exchange's buckets and allreduces."""
+    return op_name(f"{compression_name}.x{index}")
+
+
+def allgather_name(bucket: str) -> str:
+    return f"aq.ag.{bucket}"
+
+
+def alltoall_name(bucket: str) -> str:
+    return f"aq.a2a.{bucket}"
+
+
+def allreduce_name(prefix: str, tensor: str) -> str:
+    """The uncompressed allreduce of one small tensor of the exchange ``prefix``."""
+    return f"aq.ar.{prefix}.{op_name(tensor)}"
+
+
+def handshake_name(index: int, plan: int) -> str:
+    """The first-exchange check of layout ``plan`` of exchange ``index``: independent of the
+    settings it compares, so ranks that disagree meet in it (docs/protocol.md §3)."""
+    return f"aq.handshake.x{index}.{plan}"
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One fused bucket: which tensors (indices into the planner's input), its name and wire."""
+
+    index: int
+    name: str
+    members: tuple[int, ...]
+    numel: int
+    mode: str
+
+
+def plan_buckets(
+    names: list[str],
+    numels: list[int],
+    devices: list[str],
+    *,
+    prefix: str,
+    cap_numel: int,
+    small_threshold: int,
+    quantizes: bool,
+    exchange: str,
+    bits: int,
+    bucket_size: int,
+    ranks: int,
+    network: NetworkModel = NetworkModel(),
+) -> tuple[list[BucketPlan], list[int]]:
+    """Fuse tensors into buckets in the given order (callers pass backward order).
+
+    Consecutive tensors on one device join a bucket while its total stays within ``cap_numel``
+    coordinates; a tensor larger than the cap gets a bucket of its own. Tensors below
+    ``small_threshold`` elements — and every tensor when the compressor does not quantize — are
+    returned separately for an uncompressed allreduce. Names are ``<prefix>.<i>.<crc32 of the
+    member names>``, so they depend only on the names, shapes and settings: identical on every
+    rank that builds the same model. Returns ``(buckets, uncompressed indices)``.
+    """
+    buckets: list[BucketPlan] = []
+    uncompressed: list[int] = []
+    current: list[int] = []
+
+    def close() -> None:
+        if not current:
+            return
+        member_names = "\0".join(names[i] for i in current)
+        digest = zlib.crc32(member_names.encode()) & 0xFFFFFFFF
+        numel = sum(numels[i] for i in current)
+        mode = resolve_exchange(exchange, numel, bits, bucket_size, ranks, network)
+        buckets.append(BucketPlan(len(buckets), f"{prefix}.{len(buckets)}.{digest:08x}",
+                                  tuple(current), numel, mode))
+        current.clear()
+
+    for i, (numel, device) in enumerate(zip(numels, devices)):
+        if not quantizes or numel < small_threshold:
+            uncompressed.append(i)
+            continue
+        if current and (devices[current[0]] != device
+                        or sum(numels[j] for j in current) + numel > cap_numel):
+            close()
+        current.append(i)
+    close()
+    return buckets, uncompressed
+
+
+def layout_digest(buckets: list[BucketPlan], uncompressed_names: list[str]) -> int:
+    """CRC-32 of the bucket layout and the uncompressed tensors (compared across ranks)."""
+    text = repr([(b.name, b.numel, b.mode) for b in buckets] + sorted(uncompressed_names))
+    return zlib.crc32(text.encode()) & 0xFFFFFFFF

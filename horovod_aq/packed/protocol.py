@@ -1,0 +1,191 @@
+"""The per-rank decisions of the packed exchange, written once for every framework.
+
+Both integrations (``horovod_aq.torch.DistributedOptimizer``, the TensorFlow
+``PackedExchange`` behind the tape and the Keras optimizer) call these and only move tensors:
+
+* :class:`ExchangeSettings` — the user's arguments, validated with errors that name them;
+* :func:`check_compression` / :func:`check_average` — what a packed exchange accepts;
+* the first-exchange handshake: :func:`handshake_vector` / :func:`check_handshake`
+  (docs/protocol.md §3);
+* the non-finite decision's message (docs/protocol.md §4): :func:`nonfinite_message`, whose
+  pieces :func:`nonfinite_pieces` also build the TensorFlow graph assertion, so both frameworks
+  raise the same text;
+* the telemetry of a step (docs/protocol.md §8): :func:`plan_traffic` (bytes from the bucket
+  plan and the step's code width) and :func:`step_record`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from horovod_aq.compressors.base import Compressor
+from horovod_aq.error_feedback import ErrorFeedback
+from horovod_aq.packed.cost import (
+    EXCHANGES,
+    NetworkModel,
+    bytes_sent,
+    payload_bytes_of,
+)
+from horovod_aq.packed.plan import DEFAULT_FUSION_BYTES, BucketPlan
+from horovod_aq.telemetry import StepRecord
+
+#: Start of the non-finite error's message (TensorFlow translates graph assertions by it).
+NONFINITE_MARK = "horovod_aq: non-finite gradient"
+NONFINITE_REMEDY = ("every rank stops here. Lower the learning rate or use loss scaling, or pass "
+                    "nonfinite='skip' to the compressor to skip such steps on every rank")
+
+
+class ConfigMismatchError(ValueError):
+    """Ranks disagree on compressor settings, level table, step or the tensors exchanged."""
+
+
+# ---------------------------------------------------------------------- arguments
+@dataclasses.dataclass(frozen=True)
+class ExchangeSettings:
+    """The packed exchange's tuning arguments, validated at construction.
+
+    ``exchange``: "auto" (the cost model), "allgather" or "two_phase"; ``fusion_bytes``: cap of
+    a fused bucket in bytes of fp32 gradient; ``small_tensor_threshold``: tensors with fewer
+    elements are allreduced uncompressed; ``network``: the cost model's parameters.
+    """
+
+    exchange: str = "auto"
+    fusion_bytes: int = DEFAULT_FUSION_BYTES
+    small_tensor_threshold: int = 0
+    network: NetworkModel = NetworkModel()
+
+    def __post_init__(self) -> None:
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if self.fusion_bytes < 4:
+            raise ValueError(f"fusion_bytes must be >= 4, got {self.fusion_bytes}")
+        if self.small_tensor_threshold < 0:
+            raise ValueError(
+                f"small_tensor_threshold must be >= 0, got {self.small_tensor_threshold}")
+        if self.network is None:
+            object.__setattr__(self, "network", NetworkModel())
+
+    @property
+    def cap_numel(self) -> int:
+        """The fusion cap in fp32 coordinates."""
+        return max(1, self.fusion_bytes // 4)
+
+
+def is_compression(obj: Any) -> bool:
+    """Whether ``obj`` is a horovod_aq compression (a compressor or error feedback around one)."""
+    return isinstance(obj, (Compressor, ErrorFeedback))
+
+
+def check_compression(compression: Any, horovod_api: str) -> None:
+    """Refuse anything but a horovod_aq compression; ``horovod_api`` names Horovod's own
+    wrapper, which takes ``hvd.Compression.*`` objects."""
+    if not is_compression(compression):
+        raise TypeError(
+            "compression must be a horovod_aq compressor such as horovod_aq.ALQ(bits=3); "
+            f"Horovod's hvd.Compression.* objects belong to {horovod_api}")
+
+
+def check_average(op: Any, average: Any, horovod_api: str) -> None:
+    """The packed exchange averages: refuse other reduction ops."""
+    if op != average:
+        raise ValueError("the packed exchange averages gradients (op=hvd.Average); use "
+                         f"{horovod_api} for Sum or Adasum")
+
+
+# ---------------------------------------------------------------------- handshake
+def handshake_vector(fingerprint: np.ndarray, layout: int, ranks: int) -> np.ndarray:
+    """What each rank contributes to the first-exchange agreement check (int64)."""
+    return np.concatenate([np.asarray(fingerprint, dtype=np.int64),
+                           [layout, ranks]]).astype(np.int64)
+
+
+def check_handshake(gathered: np.ndarray, describe: Callable[[np.ndarray], str]) -> None:
+    """Raise :class:`ConfigMismatchError` unless every rank's row of ``gathered`` is identical.
+
+    Every rank holds the same gathered rows, so every rank raises the same message (no rank is
+    left waiting in a later collective). ``describe`` renders a fingerprint row.
+    """
+    gathered = np.asarray(gathered)
+    if (gathered == gathered[0]).all():
+        return
+    lines = [f"rank {r}: {describe(row[:-2])}, layout {int(row[-2]):08x}, ranks {int(row[-1])}"
+             for r, row in enumerate(gathered)]
+    raise ConfigMismatchError(
+        "horovod_aq: ranks disagree on the compressor settings, level table, step or the set of "
+        "tensors exchanged; every rank must build the same model, optimizer and compressor (and "
+        "load the same checkpoint):\n  " + "\n  ".join(lines))
+
+
+# ---------------------------------------------------------------------- non-finite gradients
+def nonfinite_pieces(bucket: str) -> tuple[str, str, str]:
+    """The message of :func:`nonfinite_message` around its two values: (before the rank,
+    between the rank and the quoted parameter name, after it)."""
+    return (f"{NONFINITE_MARK} on rank", "(of the process set) for parameter",
+            f"(bucket {bucket}); {NONFINITE_REMEDY}")
+
+
+def nonfinite_message(rank: int, source: str | None, bucket: str) -> str:
+    """Why every rank stops: ``rank`` sent non-finite markers, first for ``source`` (None: the
+    marker did not say which tensor, e.g. a two-phase chunk)."""
+    before, middle, after = nonfinite_pieces(bucket)
+    where = f"'{source}'" if source else "(one of the bucket's)"
+    return f"{before} {rank} {middle} {where} {after}"
+
+
+# ---------------------------------------------------------------------- telemetry
+@dataclasses.dataclass
+class Traffic:
+    """What one exchange of a bucket plan sends from this rank (docs/protocol.md §5.3)."""
+
+    numel: int = 0
+    numel_quantized: int = 0
+    payload_bytes: int = 0
+    bytes_sent: int = 0
+    exchanges: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def plan_traffic(buckets: Sequence[BucketPlan], small_numels: Sequence[int], *, fp16: bool,
+                 bits: int, bucket_size: int, ranks: int) -> Traffic:
+    """The traffic of one exchange: quantized buckets at code width ``bits`` plus the small
+    tensors' allreduces (fp16 on the wire for the FP16 compressor)."""
+    t = Traffic()
+    for b in buckets:
+        t.numel += b.numel
+        t.numel_quantized += b.numel
+        t.payload_bytes += payload_bytes_of(b.mode, b.numel, bits, bucket_size, ranks)
+        t.bytes_sent += bytes_sent(b.mode, b.numel, bits, bucket_size, ranks)
+        t.exchanges[b.mode] = t.exchanges.get(b.mode, 0) + 1
+    wire = "allreduce_fp16" if fp16 else "allreduce_fp32"
+    for n in small_numels:
+        t.numel += n
+        t.bytes_sent += bytes_sent(wire, n, 0, 1, ranks)
+    return t
+
+
+def step_record(compression: Any, *, step: int, ranks: int, bits: int, traffic: Traffic | None,
+                calls: int = 1, refitted: bool = False, skipped: int = 0) -> StepRecord:
+    """The :class:`~horovod_aq.telemetry.StepRecord` of a step that ran ``calls`` exchanges of
+    ``traffic`` at code width ``bits``; table, refit and error-memory fields from
+    ``compression`` after the step ended."""
+    rec = StepRecord(step=step, method=compression.method, ranks=ranks, bits=bits)
+    if traffic is not None:
+        rec.numel = traffic.numel * calls
+        rec.numel_quantized = traffic.numel_quantized * calls
+        rec.payload_bytes = traffic.payload_bytes * calls
+        rec.bytes_sent = traffic.bytes_sent * calls
+        rec.exchanges = {k: v * calls for k, v in traffic.exchanges.items()}
+    rec.bytes_fp32 = bytes_sent("allreduce_fp32", rec.numel, 0, 1, ranks)
+    if compression.quantizes:
+        rec.table_version = compression.quantizer.table.version
+    rec.refit = refitted
+    if refitted:
+        rec.levels = compression.quantizer.table.levels.tolist()
+    if skipped:
+        rec.extra["skipped"] = float(skipped)
+    if compression.error_memory is not None:
+        rec.extra["ef_memory_norm"] = compression.error_memory.memory_norm()
+    return rec

@@ -1,0 +1,51 @@
+"""Horovod's stock ``compression=`` path: what to do with a gradient, and the errors it raises.
+
+Horovod calls ``compression.compress(tensor)`` and *sums* what it returns across ranks, then
+calls ``decompress`` (docs/protocol.md §1). Bit-packed codes cannot be summed, so a quantizing
+compressor quantizes, dequantizes and ships fp16 there: the training sees the true quantization
+noise, the wire saves 2x. The framework modules (``horovod_aq.torch.stock``,
+``horovod_aq.tensorflow.stock``) do the tensor work; the decisions and messages are here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Largest finite fp16 value: an fp16 sum over the ranks must stay below it.
+FP16_MAX = 65504.0
+#: The packed integration to recommend, by framework.
+PACKED_API = {"torch": "horovod_aq.torch.DistributedOptimizer",
+              "tensorflow": "horovod_aq.tensorflow.DistributedGradientTape"}
+
+
+def route(compression: Any, framework: str) -> str:
+    """How the stock hook sends a floating-point gradient of ``compression``: "identity"
+    (NoCompression), "fp16" (FP16) or "quantize" (quantize → dequantize → fp16). Raises for a
+    compression the path cannot carry (:meth:`~horovod_aq.Compressor.stock_refusal`)."""
+    if not compression.quantizes:
+        return "fp16" if compression.fp16_wire else "identity"
+    refusal = compression.stock_refusal(framework)
+    if refusal is not None:
+        raise NotImplementedError(refusal)
+    compression.warn_stock_once()
+    return "quantize"
+
+
+def exceeds_fp16(peak: float, world: int) -> bool:
+    """Whether an fp16 sum of ``world`` values of magnitude ``peak`` can overflow."""
+    return peak * world > FP16_MAX
+
+
+def fp16_range_message(compression: Any, framework: str, peak: float | None = None) -> str:
+    value = "" if peak is None else f" ({peak:.3g})"
+    return (f"{compression.name}: a quantized gradient value{value} times the number of ranks "
+            f"exceeds the fp16 range ({FP16_MAX}) of the stock compression= path; scale the "
+            f"loss down or use {PACKED_API[framework]} (packed exchange, fp32 norms)")
+
+
+def nonfinite_message(compression: Any, shape: Any, framework: str) -> str:
+    return (f"{compression.name}: a gradient of shape {tuple(shape)} has non-finite values on "
+            "this rank (Horovod's compression= hook does not say which parameter; the packed "
+            f"{PACKED_API[framework]} names it and stops every rank together). Pass "
+            "nonfinite='skip' to the compressor to send NaN so that every rank skips the step "
+            "(e.g. with AMP's GradScaler).")

@@ -1,0 +1,141 @@
+"""Graph assertions of the TensorFlow kernels (``horovod_aq.tensorflow.kernels``).
+
+Inside ``tf.function`` invalid input cannot raise the numpy codec's ``ValueError`` /
+``PayloadError`` on the host; these ``tf.debugging`` assertions fail instead
+(``tf.errors.InvalidArgumentError``), with messages that name the field, the rank and both
+values. Header fields are located by ``horovod_aq.codec.format.HEADER_FIELDS``.
+:func:`translate_error` turns a failed assertion of the packed exchange back into the eager
+API's exception.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import numpy as np
+import tensorflow as tf
+
+from horovod_aq import codec
+from horovod_aq.codec import HEADER_SIZE, NonFiniteGradientError, PayloadError
+from horovod_aq.packed.protocol import NONFINITE_MARK
+
+__all__ = ["decoder_header_check", "encoder_header_check", "field_value", "translate_error",
+           "values_check"]
+
+
+def values_check(flat: tf.Tensor, norms: tf.Tensor, n: int) -> list:
+    """Graph assertions: every element finite, every norm finite. The diagnostics (count, first
+    index) are computed only on the failing branch."""
+    if n == 0:
+        return []
+
+    def fail_values():
+        bad = tf.logical_not(tf.math.is_finite(flat))
+        count = tf.reduce_sum(tf.cast(bad, tf.int64))
+        first = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int64)
+        with tf.control_dependencies([tf.debugging.Assert(
+                False, ["cannot quantize a gradient with non-finite values:", count, "of", n,
+                        "elements are NaN or ±Inf in float32, first at flat index", first,
+                        "; check the loss scale or clip the gradients before compressing"])]):
+            return tf.constant(True)
+
+    def fail_norms():
+        first = tf.argmax(tf.cast(tf.logical_not(tf.math.is_finite(norms)), tf.int32))
+        with tf.control_dependencies([tf.debugging.Assert(
+                False, ["bucket", first, ("has a norm that overflows float32; scale the "
+                                          "gradient down before compressing")])]):
+            return tf.constant(True)
+
+    values_ok = tf.cond(tf.reduce_all(tf.math.is_finite(flat)), lambda: tf.constant(True),
+                        fail_values)
+    with tf.control_dependencies([values_ok]):
+        norms_ok = tf.cond(tf.reduce_all(tf.math.is_finite(norms)), lambda: tf.constant(True),
+                           fail_norms)
+    return [values_ok, norms_ok]
+
+
+def field_value(raw: tf.Tensor, width: int) -> tf.Tensor:
+    """The integer value of one little-endian header field given as ``width`` bytes."""
+    raw = tf.reshape(raw, [width])
+    if width == 1:
+        return tf.cast(raw[0], tf.int64)
+    return tf.bitcast(raw, {2: tf.uint16, 4: tf.uint32, 8: tf.uint64}[width])
+
+
+def encoder_header_check(header_u8: tf.Tensor, levels: tf.Tensor, n: int, bits: int,
+                         bucket_size: int, norm: str) -> list:
+    """Assert that the header tensor describes this encode and this levels tensor."""
+    if header_u8.shape.rank != 1 or header_u8.shape[0] not in (None, HEADER_SIZE):
+        raise ValueError(f"header_u8 must be {HEADER_SIZE} uint8 bytes, "
+                         f"got shape {header_u8.shape}")
+    want = np.frombuffer(struct.pack(codec.HEADER_FORMAT, codec.MAGIC, codec.FORMAT_VERSION, bits,
+                                     codec.NORM_CODES[norm], 0, 0, 0, 0, bucket_size, n, 0),
+                         dtype=np.uint8)
+    checks = []
+    for name in ("magic", "format version", "bits", "norm", "bucket size", "numel"):
+        field = codec.HEADER_FIELDS[name]
+        checks.append(tf.debugging.assert_equal(
+            header_u8[field], tf.constant(want[field]),
+            message=f"encode_with: header_u8 has another {name} than this call "
+                    f"(numel={n}, bits={bits}, bucket_size={bucket_size}, norm={norm}); "
+                    "rebuild it with header_tensor()"))
+    num_levels = tf.size(levels, out_type=tf.int64)
+    checks.append(tf.debugging.assert_equal(
+        field_value(header_u8[codec.HEADER_FIELDS["number of levels"]], 2),
+        tf.cast(num_levels, tf.uint16),
+        message="encode_with: header_u8 and levels_f32 disagree on the number of levels; "
+                "update both at a refit"))
+    checks.append(tf.debugging.Assert(
+        (num_levels >= 2) & (num_levels <= 1 << bits),
+        [f"encode_with: levels_f32 must hold 2..{1 << bits} levels for bits={bits}, got",
+         num_levels]))
+    return checks
+
+
+def decoder_header_check(headers: tf.Tensor, expected_u8: tf.Tensor) -> list:
+    """Assert that every row of ``headers`` [P, 32] equals the expected header; the message
+    names the first differing field, the first rank that differs and both values."""
+    if expected_u8.shape.rank != 1 or expected_u8.shape[0] not in (None, HEADER_SIZE):
+        raise ValueError(f"expected_header_u8 must be {HEADER_SIZE} uint8 bytes, got shape "
+                         f"{expected_u8.shape}")
+    checks: list = []
+    for name, field in codec.HEADER_FIELDS.items():
+        lo, hi = field.start, field.stop
+        got, want = headers[:, lo:hi], expected_u8[None, lo:hi]
+        same = tf.reduce_all(tf.equal(got, want), axis=1)
+        rank = tf.argmin(tf.cast(same, tf.int32))
+        if name == "magic":
+            advice = "not a horovod_aq payload (wrong buffer or corrupted data)"
+        elif name == "format version":
+            advice = "ranks run different horovod_aq versions"
+        elif name.startswith("level-table"):
+            advice = "ranks disagree on the level table"
+        else:
+            advice = "ranks disagree on the tensor or the compressor settings"
+        if name == "magic":
+            shown, expected = tf.reshape(got[rank], [hi - lo]), want[0]
+        else:
+            shown, expected = field_value(got[rank], hi - lo), field_value(want[0], hi - lo)
+        with tf.control_dependencies(checks[-1:]):  # report the first differing field
+            checks.append(tf.debugging.Assert(
+                tf.reduce_all(same),
+                [f"payload {name} differs: the payload of rank", rank, "has", shown,
+                 "but this rank expects", expected, f"; {advice}"],
+                summarize=HEADER_SIZE))
+    return checks
+
+
+def translate_error(err: tf.errors.InvalidArgumentError) -> Exception:
+    """A graph assertion of the exchange as the eager API's exception (PayloadError/ValueError)."""
+    found = re.search(r"assertion failed: (.*)", err.message)
+    if found is None:
+        return err
+    parts = re.findall(r"\[([^\[\]]*)\]", found.group(1))
+    # tf.debugging.Assert prints string tensors with their quotes escaped
+    text = " ".join(p.strip() for p in parts).replace(" ;", ";").replace("\\'", "'")
+    if "payload" in text and "differs" in text:
+        return PayloadError(f"horovod_aq: {text}")
+    if NONFINITE_MARK in text:
+        return NonFiniteGradientError(text)
+    return err

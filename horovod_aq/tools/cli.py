@@ -1,0 +1,295 @@
+"""The ``horovod-aq`` command: ``doctor``, ``levels``, ``bench``, ``demo``.
+
+    horovod-aq doctor            versions, frameworks, controllers, MPI; 2-rank self-tests
+    horovod-aq levels --method alq --bits 3 --bucket-size 8192 [--dump grad.npy] [--plot f.png]
+    horovod-aq bench [--quick]   kernel throughput and level-refit benchmarks
+    horovod-aq demo              train the PyTorch MNIST example on 2 local ranks, ALQ 3-bit
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO_EPOCHS = 5
+DEMO_OUT = "demo_output"
+
+
+# ---------------------------------------------------------------------- doctor
+def _version(module: str) -> str | None:
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import failure is a finding
+        return f"missing ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})"
+    return getattr(mod, "__version__", "present")
+
+
+def selftest_packed_torch() -> dict:
+    """Inside a rank: one packed ALQ exchange and one stock-path step; report what came out."""
+    import horovod.torch as hvd
+    import torch
+
+    import horovod_aq
+    import horovod_aq.torch as aqt
+    from horovod_aq import codec
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    comp = horovod_aq.ALQ(bits=3, bucket_size=256, schedule="0,0")
+    opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters(), comp, exchange="auto")
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(hvd.rank()))
+    model(x).square().mean().backward()
+    opt.step()
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    payload = codec.encode(np.linspace(-1, 1, 1000, dtype=np.float32), comp.table,
+                           bucket_size=256, seed=0)
+    return {"weights": weights, "table": comp.table.levels, "version": comp.table.version,
+            "roundtrip": float(np.abs(codec.decode(payload, comp.table)).max()),
+            "bits": opt.telemetry.last.bits_per_coordinate}
+
+
+def selftest_packed_tf() -> dict:
+    """Inside a rank: the TensorFlow packed tape on a tiny variable."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import horovod_aq
+    import horovod_aq.tensorflow as aqtf
+
+    hvd.init()
+    v = tf.Variable(tf.ones([300]))
+    comp = horovod_aq.QSGD(bits=4, bucket_size=128)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * float(hvd.rank() + 1))
+    tape = aqtf.DistributedGradientTape(tape, compression=comp)
+    (g,) = tape.gradient(loss, [v])
+    return {"grad": g.numpy()}
+
+
+def _check_selftests(controller: str) -> list[str]:
+    from horovod_aq.tools.launcher import run_local
+
+    problems = []
+    try:
+        res = run_local([selftest_packed_torch], np=2, controller=controller, timeout=300)
+        out = res.get(selftest_packed_torch)
+        if not np.array_equal(out[0]["weights"], out[1]["weights"]):
+            problems.append(f"{controller}: ranks hold different weights after a packed step")
+        if not np.array_equal(out[0]["table"], out[1]["table"]) or out[0]["version"] != 1:
+            problems.append(f"{controller}: level tables differ across ranks after the refit")
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"{controller}: PyTorch packed-exchange self-test failed: {exc}")
+    try:
+        res = run_local([selftest_packed_tf], np=2, controller=controller, timeout=300)
+        out = res.get(selftest_packed_tf)
+        if not np.array_equal(out[0]["grad"], out[1]["grad"]):
+            problems.append(f"{controller}: TensorFlow ranks received different gradients")
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"{controller}: TensorFlow packed-exchange self-test failed: {exc}")
+    return problems
+
+
+def doctor(args: argparse.Namespace) -> int:
+    print(f"python      {platform.python_version()} ({sys.executable})")
+    print(f"platform    {platform.platform()}, {os.cpu_count()} CPUs")
+    for mod in ("numpy", "scipy", "torch", "tensorflow", "keras", "tf_keras", "mpi4py",
+                "horovod", "horovod_aq"):
+        print(f"{mod:<11} {_version(mod)}")
+    problems: list[str] = []
+    mpirun = shutil.which("mpirun")
+    if mpirun:
+        first = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+        print(f"MPI         {first.splitlines()[0] if first else 'unknown'} ({mpirun})")
+    else:
+        problems.append("mpirun not found: install Open MPI (apt-get install openmpi-bin "
+                        "libopenmpi-dev) and rebuild Horovod (scripts/setup.sh --force)")
+    built = {}
+    for fw, mod in (("PyTorch", "horovod.torch"), ("TensorFlow", "horovod.tensorflow")):
+        try:
+            hv = importlib.import_module(mod)
+            built[fw] = hv
+            print(f"Horovod/{fw:<10} built (gloo={hv.gloo_built()}, mpi={hv.mpi_built()}, "
+                  f"nccl={hv.nccl_built()})")
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"Horovod has no working {fw} extension ({str(exc).splitlines()[0]}); "
+                            "rebuild it with scripts/setup.sh --force")
+    controllers = []
+    if built:
+        hv = next(iter(built.values()))
+        if hv.gloo_built():
+            controllers.append("gloo")
+        else:
+            problems.append("Horovod was built without Gloo")
+        if hv.mpi_built() and mpirun:
+            controllers.append("mpi")
+        elif not hv.mpi_built():
+            problems.append("Horovod was built without MPI (HOROVOD_WITH_MPI=1 needs Open MPI "
+                            "headers at build time)")
+    if "PyTorch" in built and "TensorFlow" in built and not args.skip_selftest:
+        for controller in controllers:
+            print(f"self-test   2 ranks, {controller}: packed exchange (PyTorch, TensorFlow) ...",
+                  flush=True)
+            found = _check_selftests(controller)
+            problems += found
+            print(f"            {'ok' if not found else 'FAILED'}")
+    if problems:
+        print("\nproblems:")
+        for p in problems:
+            print(f"  - {p}")
+        return 1
+    print("\nall checks passed")
+    return 0
+
+
+# ---------------------------------------------------------------------- levels
+def _synthetic(kind: str, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "normal":
+        return rng.standard_normal(n)
+    if kind == "laplace":
+        return rng.laplace(size=n)
+    if kind == "student-t":
+        return rng.standard_t(3, size=n)
+    if kind == "sparse":
+        return rng.standard_t(3, size=n) * (rng.random(n) < 0.5)
+    raise ValueError(f"unknown synthetic distribution {kind!r}")
+
+
+def levels(args: argparse.Namespace) -> int:
+    import horovod_aq
+    from horovod_aq import codec
+    from horovod_aq.levels import entropy, expected_variance, huffman_expected_length
+    from horovod_aq.refit import LocalComm
+
+    grad = (np.load(args.dump).astype(np.float64).ravel() if args.dump
+            else _synthetic(args.synthetic, args.numel, args.seed))
+    kwargs = {"bits": args.bits}
+    if args.bucket_size:
+        kwargs["bucket_size"] = args.bucket_size
+    comp = horovod_aq.from_name(args.method, **kwargs)
+    if not comp.quantizes:
+        print(f"{args.method} does not quantize: no level table")
+        return 2
+    if comp.adaptive:
+        comp.record_gradient(grad)
+        comp.end_step(LocalComm())
+    B = comp.bucket_size
+    table = comp.table
+    q = codec.quantize(grad.astype(np.float32), table, bucket_size=B, norm=comp.norm,
+                       seed=args.seed)
+    measured = float(np.sum((q - grad) ** 2) / np.sum(grad ** 2))
+    print(f"{comp!r}")
+    print(f"source: {args.dump or args.synthetic + f' ({args.numel} coordinates)'}")
+    print(f"levels (v{table.version}, {table.bits} bits): "
+          + np.array2string(table.levels, precision=6, max_line_width=100))
+    print(f"measured normalized variance E||Q(g)-g||^2/||g||^2 = {measured:.4g} (one draw)")
+    stats = horovod_aq.levels.BucketStats.from_gradient(grad, B)
+    if len(stats):
+        dist = stats.mixture()
+        print(f"model (truncated-normal mixture): "
+              f"B*V = {B * expected_variance(table.levels, dist):.4g}, "
+              f"entropy {entropy(table.levels, dist):.3f} bits, Huffman "
+              f"{huffman_expected_length(table.levels, dist):.3f} bits/coordinate")
+    if args.plot:
+        from horovod_aq.tools import plots
+
+        plots.plot_levels(table.levels, args.plot, gradient=grad, bucket_size=B,
+                          title=f"{args.method} {table.bits}-bit levels, bucket {B}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------- bench / demo
+def _repo_path(*parts: str) -> str:
+    path = os.path.join(REPO_ROOT, *parts)
+    if not os.path.exists(path):
+        raise SystemExit(f"{os.path.join(*parts)} not found next to the installed package "
+                         f"({REPO_ROOT}); run this from a clone of the horovod_aq repository")
+    return path
+
+
+def bench(args: argparse.Namespace) -> int:
+    rc = 0
+    for script in ("kernels.py", "levels_refit.py"):
+        cmd = ([sys.executable, _repo_path("benchmarks", script)]
+               + (["--quick"] if args.quick else []))
+        print("$ " + " ".join(cmd), flush=True)
+        rc |= subprocess.call(cmd)
+    return rc
+
+
+def _horovodrun() -> str:
+    from horovod_aq.tools.launcher import _horovodrun as find
+
+    return find()
+
+
+def demo(args: argparse.Namespace) -> int:
+    out = os.path.abspath(args.out)
+    cmd = [_horovodrun(), "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo",
+           sys.executable, _repo_path("examples", "pytorch_mnist.py"),
+           "--compression", args.compression, "--bits", str(args.bits),
+           "--epochs", str(args.epochs), "--out", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+    print("$ " + " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, env=env)
+    if proc.returncode:
+        return proc.returncode
+    with open(os.path.join(out, "metrics.json")) as f:
+        summary = json.load(f)["summary"]
+    print(f"\ndemo done: {100 * summary['test_acc']:.1f}% test accuracy with "
+          f"{summary['bits_per_coordinate']:.2f} bits per coordinate, "
+          f"{summary['compression_ratio']:.1f}x fewer gradient bytes than fp32 allreduce; "
+          f"plots in {out}/")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(prog="horovod-aq", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("doctor", help="check the installation; 2-rank self-tests")
+    d.add_argument("--skip-selftest", action="store_true")
+    d.set_defaults(fn=doctor)
+    lv = sub.add_parser("levels", help="fit and show a level table")
+    lv.add_argument("--method", default="alq")
+    lv.add_argument("--bits", type=int, default=3)
+    lv.add_argument("--bucket-size", type=int, default=None)
+    lv.add_argument("--dump", help="a saved gradient (.npy) instead of synthetic data")
+    lv.add_argument("--synthetic", default="student-t",
+                    choices=["normal", "laplace", "student-t", "sparse"])
+    lv.add_argument("--numel", type=int, default=1 << 20)
+    lv.add_argument("--seed", type=int, default=0)
+    lv.add_argument("--plot", help="write the table over the gradient density to this PNG")
+    lv.set_defaults(fn=levels)
+    b = sub.add_parser("bench", help="kernel and refit benchmarks")
+    b.add_argument("--quick", action="store_true")
+    b.set_defaults(fn=bench)
+    dm = sub.add_parser("demo", help="train the PyTorch example on 2 local ranks")
+    dm.add_argument("--np", type=int, default=2)
+    dm.add_argument("--compression", default="alq")
+    dm.add_argument("--bits", type=int, default=3)
+    dm.add_argument("--epochs", type=int, default=DEMO_EPOCHS)
+    dm.add_argument("--out", default=DEMO_OUT)
+    dm.set_defaults(fn=demo)
+    args = p.parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The core never imports a framework: every module outside horovod_aq/torch, horovod_aq/tensorflow
+and horovod_aq/keras imports, and the core works on numpy, with torch, TensorFlow, Keras and
+Horovod made unimportable."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FRAMEWORK_PACKAGES = ("torch", "tensorflow", "keras")
+BLOCKED = ("torch", "tensorflow", "keras", "tf_keras", "horovod")
+
+
+def core_modules() -> list[str]:
+    package = ROOT / "horovod_aq"
+    names = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[1] in FRAMEWORK_PACKAGES:
+            continue
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def run_blocked(body: str) -> subprocess.CompletedProcess:
+    script = textwrap.dedent(f"""
+        import importlib.abc, sys
+
+        BLOCKED = {BLOCKED!r}
+
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] in BLOCKED:
+                    raise ImportError(f"{{name}} is blocked by the isolation test")
+                return None
+
+        sys.meta_path.insert(0, Block())
+        for name in list(sys.modules):
+            if name.split(".")[0] in BLOCKED:
+                del sys.modules[name]
+    """) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", script],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_there_are_core_modules_to_check():
+    modules = core_modules()
+    assert "horovod_aq.compressors.base" in modules and "horovod_aq.packed.protocol" in modules
+    assert not any(m.startswith(("horovod_aq.torch", "horovod_aq.tensorflow")) for m in modules)
+
+
+def test_every_core_module_imports_without_frameworks():
+    body = f"""
+        import importlib
+        for name in {core_modules()!r}:
+            importlib.import_module(name)
+        leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+        assert not leaked, leaked
+        print("imported", len({core_modules()!r}))
+    """
+    result = run_blocked(body)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "imported" in result.stdout
+
+
+def test_the_blocker_blocks():
+    result = run_blocked("import torch\n")
+    assert result.returncode != 0 and "blocked by the isolation test" in result.stderr
+
+
+@pytest.mark.parametrize("method", ["alq", "qsgd", "ecq", "dqsgd"])
+def test_core_trains_on_numpy_without_frameworks(method):
+    body = f"""
+        import numpy as np
+        import horovod_aq
+        from horovod_aq import codec
+        from horovod_aq.tools.simulate import LeastSquares, run_sgd
+
+        comp = {{"alq": lambda: horovod_aq.ALQ(bits=3, bucket_size=64),
+                 "qsgd": lambda: horovod_aq.QSGD(bits=4, bucket_size=64),
+                 "ecq": lambda: horovod_aq.ErrorFeedback(horovod_aq.QSGD(bits=4, bucket_size=64)),
+                 "dqsgd": lambda: horovod_aq.DQSGD(target_bits=4, bucket_size=64)}}[{method!r}]()
+        problem = LeastSquares.synthetic(n=400, dim=40, seed=0)
+        plain = run_sgd(problem, None, workers=2, steps=60, seed=0)
+        run = run_sgd(problem, comp, workers=2, steps=60, seed=0)
+        assert np.isfinite(run.losses[-1]) and run.losses[-1] < 0.5 * run.losses[0], run.losses
+        payload = codec.encode(np.ones(100, np.float32), comp.quantizer.table, bucket_size=64,
+                               norm="l2", seed=1)
+        assert codec.decode(payload, comp.quantizer.table).shape == (100,)
+        leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+        assert not leaked, leaked
+        print("ok", plain.losses[-1], run.losses[-1])
+    """
+    result = run_blocked(body)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("ok")
