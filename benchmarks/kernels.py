@@ -1,9 +1,11 @@
-"""Encode/decode throughput of the payload kernels (numpy oracle, PyTorch, TensorFlow).
+"""Encode/decode throughput of the payload kernels, one thread, next to a same-run memcpy.
 
-For every framework, bit width and vector size this measures ``encode`` (bucket norms,
-stochastic rounding with the framework's RNG, packing) and ``decode`` on a float32 vector, and
-reports GB/s of float32 data (4·n bytes / time, best of ``--repeats``) next to a memory-copy
-baseline (``np.copyto`` of the same 4·n bytes) measured in the same run, with the ratio.
+For every implementation (the numpy oracle, the fused CPU kernel, the torch ops, the torch
+dispatch the optimizer uses, TensorFlow), bit width and vector size this measures ``encode``
+(bucket norms, the format's Philox stream, stochastic rounding, packing) of a float32 vector and
+``decode_average`` of ``DECODE_RANKS`` gathered payloads, and reports GB/s of float32 data
+(encode: 4·n bytes in; decode: 4·n·P bytes out, best of ``--repeats``) next to a single-threaded
+memory copy (``np.copyto`` of 4·n bytes) measured in the same run, with the ratio.
 
     python benchmarks/kernels.py                  # 1M, 16M, 64M elements; 2/3/4/8 bits
     python benchmarks/kernels.py --quick          # CI: small sizes, a few seconds per framework
@@ -41,13 +43,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="small sizes for CI (64K, 1M; 2 and 8 bits)")
     p.add_argument("--sizes", default=None, help="comma list from " + ",".join(SIZES))
     p.add_argument("--bits", default=None, help="comma list, default 2,3,4,8")
-    p.add_argument("--frameworks", default="numpy,torch,tf")
-    p.add_argument("--bucket-size", type=int, default=512)
+    p.add_argument("--frameworks", default="numpy,fused,torch-ops,torch,tf",
+                   help="comma list of numpy, fused, torch-ops, torch, tf")
+    p.add_argument("--bucket-size", type=int, default=1024)
     p.add_argument("--norm", default="l2", choices=sorted(codec.NORM_CODES))
     p.add_argument("--repeats", type=int, default=None,
                    help="timed runs per measurement, best kept (default 3; 2 at 64M)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="intra-op threads for torch and TF (default: the libraries' own)")
     p.add_argument("--output", default=None, help="markdown file (default benchmarks/results/"
                                                   "kernels.md, kernels_quick.md with --quick)")
     args = p.parse_args(argv)
@@ -74,98 +75,138 @@ def best_time(fn, repeats: int) -> float:
 
 
 # ------------------------------------------------------------------------------- frameworks
+#: Payload rows averaged by the decode measurement (decode_average of P gathered payloads).
+DECODE_RANKS = 4
 
 
 class NumpyBench:
-    name = "numpy"
+    """The reference codec (written for clarity, not speed)."""
+
+    name = "numpy oracle"
 
     def version(self) -> str:
-        return np.__version__
+        return f"numpy {np.__version__}"
 
-    def threads(self) -> str:
-        return "1 (numpy ufuncs)"
+    def prepare(self, x: np.ndarray, table: LevelTable, bucket: int, norm: str, key):
+        rows = np.stack([codec.encode(x, table, bucket_size=bucket, norm=norm, key=key)]
+                        * DECODE_RANKS)
+        return (lambda: codec.encode(x, table, bucket_size=bucket, norm=norm, key=key),
+                lambda: codec.decode_average(rows, table))
 
-    def prepare(self, x: np.ndarray, table: LevelTable, bucket: int, norm: str):
-        rng = np.random.default_rng(0)
-        payload = codec.encode(x, table, bucket_size=bucket, norm=norm, seed=rng)
-        return (lambda: codec.encode(x, table, bucket_size=bucket, norm=norm, seed=rng),
-                lambda: codec.decode(payload, table))
+
+class FusedBench:
+    """``horovod_aq.codec.fused``: one compiled pass per bucket (numba), single-threaded."""
+
+    name = "fused CPU (numba)"
+
+    def __init__(self):
+        import numba
+
+        from horovod_aq.codec import fused
+
+        self.numba, self.fused = numba, fused
+
+    def version(self) -> str:
+        return f"numba {self.numba.__version__}"
+
+    def prepare(self, x, table, bucket, norm, key):
+        fused = self.fused
+        out = np.empty(codec.payload_size(x.size, table.bits, bucket), np.uint8)
+        rows = np.stack([fused.encode(x, table, bucket_size=bucket, norm=norm, key=key)]
+                        * DECODE_RANKS)
+        avg = np.empty(x.size, np.float32)
+        return (lambda: fused.encode(x, table, bucket_size=bucket, norm=norm, key=key, out=out),
+                lambda: fused.decode_average(rows, table, out=avg))
 
 
 class TorchBench:
-    name = "torch"
+    """``horovod_aq.torch.kernels`` on CPU tensors: "torch ops" forces the vectorized torch
+    implementation, "torch (dispatch)" is what the optimizer runs (the fused kernel on CPU)."""
 
-    def __init__(self, threads):
+    def __init__(self, implementation: str):
         import torch
 
         from horovod_aq.torch import kernels
 
-        if threads:
-            torch.set_num_threads(threads)
-        self.torch, self.k = torch, kernels
+        torch.set_num_threads(1)
+        self.torch, self.k, self.implementation = torch, kernels, implementation
+        self.name = "torch ops" if implementation == "ops" else "torch (dispatch)"
 
     def version(self) -> str:
-        return self.torch.__version__
+        return f"torch {self.torch.__version__}"
 
-    def threads(self) -> str:
-        return f"{self.torch.get_num_threads()} (torch.get_num_threads)"
+    def prepare(self, x, table, bucket, norm, key):
+        k, torch, impl = self.k, self.torch, self.implementation
 
-    def prepare(self, x, table, bucket, norm):
-        xt = self.torch.from_numpy(x)
-        gen = self.torch.Generator().manual_seed(0)
-        payload = self.k.encode(xt, table, bucket_size=bucket, norm=norm, generator=gen)
-        return (lambda: self.k.encode(xt, table, bucket_size=bucket, norm=norm, generator=gen),
-                lambda: self.k.decode(payload, table))
+        def run(fn):
+            def call():
+                saved, k.IMPLEMENTATION = k.IMPLEMENTATION, impl
+                try:
+                    return fn()
+                finally:
+                    k.IMPLEMENTATION = saved
+            return call
+
+        xt = torch.from_numpy(x)
+        payload = run(lambda: k.encode(xt, table, bucket_size=bucket, norm=norm, key=key))()
+        rows = payload.repeat(DECODE_RANKS, 1)
+        return (run(lambda: k.encode(xt, table, bucket_size=bucket, norm=norm, key=key)),
+                run(lambda: k.decode_average(rows, table)))
 
 
 class TensorFlowBench:
+    """``horovod_aq.tensorflow.kernels`` in ``tf.function`` with the table in variables, as the
+    packed exchange runs them, one intra-op thread."""
+
     name = "tf"
 
-    def __init__(self, threads):
+    def __init__(self):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         import tensorflow as tf
 
         from horovod_aq.tensorflow import kernels
 
-        if threads:
-            tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
         self.tf, self.k = tf, kernels
 
     def version(self) -> str:
-        return self.tf.__version__
+        return f"tensorflow {self.tf.__version__}"
 
-    def threads(self) -> str:
-        intra = self.tf.config.threading.get_intra_op_parallelism_threads()
-        return f"{intra or os.cpu_count()} intra-op ({'set' if intra else 'default'})"
-
-    def prepare(self, x, table, bucket, norm):
+    def prepare(self, x, table, bucket, norm, key):
         tf, k = self.tf, self.k
         n, bits = x.size, table.bits
         levels = tf.Variable(k.levels_tensor(table))
         header = tf.Variable(k.header_tensor(n, table, bucket, norm))
-        gen = tf.random.Generator.from_seed(0)
+        step = tf.Variable(np.int64(key.step))
+        k0, k1 = key.philox_key()
         xt = tf.constant(x)
-        encode = tf.function(lambda v: k.encode_with(v, levels, header, bits=bits,
-                                                     bucket_size=bucket, norm=norm, seed=gen))
-        decode = tf.function(lambda p: k.decode_with(p, levels, header, numel=n, bits=bits,
-                                                     bucket_size=bucket))
-        payload = encode(xt)
+        encode = tf.function(lambda v: k.encode_with(
+            v, levels, header, bits=bits, bucket_size=bucket, norm=norm, check=False,
+            key=(k0, k1, step.read_value(), key.bucket, key.part)))
+        decode = tf.function(lambda p: k.decode_average_with(
+            p, levels, header, numel=n, bits=bits, bucket_size=bucket, check=False))
+        rows = tf.stack([encode(xt)] * DECODE_RANKS)
         # .numpy() would add a copy to the host buffer; wait for completion with a tiny read.
-        return (lambda: encode(xt)[:1].numpy(), lambda: decode(payload)[:1].numpy())
+        return (lambda: encode(xt)[:1].numpy(), lambda: decode(rows)[:1].numpy())
 
 
-def make_bench(name: str, threads):
+def make_bench(name: str):
     try:
         if name == "numpy":
             return NumpyBench()
+        if name == "fused":
+            return FusedBench()
+        if name == "torch-ops":
+            return TorchBench("ops")
         if name == "torch":
-            return TorchBench(threads)
+            return TorchBench("auto")
         if name == "tf":
-            return TensorFlowBench(threads)
+            return TensorFlowBench()
     except ImportError as err:
         print(f"skipping {name}: {err}", file=sys.stderr)
         return None
-    raise SystemExit(f"unknown framework {name!r}")
+    raise SystemExit(f"unknown implementation {name!r}")
 
 
 # ---------------------------------------------------------------------------------- report
@@ -173,7 +214,8 @@ def make_bench(name: str, threads):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    benches = [b for b in (make_bench(f, args.threads) for f in args.frameworks) if b]
+    benches = [b for b in (make_bench(f) for f in args.frameworks) if b]
+    key = codec.StreamKey(seed=0, rank=0, step=1, bucket=0, part=0)
     rows = []
     load_start = loadavg()
     started = time.perf_counter()
@@ -190,12 +232,14 @@ def main(argv=None) -> int:
         for bits in args.bits:
             table = LevelTable(np.linspace(-1.0, 1.0, 2**bits))
             for bench in benches:
-                encode, decode = bench.prepare(x, table, args.bucket_size, args.norm)
+                if bench.name == "numpy oracle" and n > SIZES["16M"]:
+                    continue  # minutes per call; its speed is known from the smaller sizes
+                encode, decode = bench.prepare(x, table, args.bucket_size, args.norm, key)
                 enc = 4 * n / best_time(encode, repeats) / 1e9
-                dec = 4 * n / best_time(decode, repeats) / 1e9
+                dec = 4 * n * DECODE_RANKS / best_time(decode, repeats) / 1e9
                 rows.append((bench.name, bits, size_name, enc, enc / copy_gbs, dec,
                              dec / copy_gbs, copy_gbs))
-                print(f"  {bench.name:6s} {bits} bits: encode {enc:6.3f} GB/s "
+                print(f"  {bench.name:18s} {bits} bits: encode {enc:6.3f} GB/s "
                       f"({enc / copy_gbs:.3f}x memcpy), decode {dec:6.3f} GB/s "
                       f"({dec / copy_gbs:.3f}x)", flush=True)
                 del encode, decode
@@ -218,20 +262,25 @@ def write_report(args, benches, rows, load_start, load_end, elapsed) -> None:
         (f"- Load average at start / end: {load_start} / {load_end} (on a shared machine, "
          "other jobs inflate times; each figure is the best of its repeats)"),
         (f"- Python {platform.python_version()}; "
-         + "; ".join(f"{b.name} {b.version()}" for b in benches)),
-        ("- Threads: " + "; ".join(f"{b.name} {b.threads()}" for b in benches)
+         + "; ".join(f"{b.name}: {b.version()}" for b in benches)),
+        ("- Threads: one everywhere (torch.set_num_threads(1), TF intra/inter-op 1, the fused "
+         "kernel is single-threaded, numpy's copy is single-threaded)"
          + (f"; environment {env_threads}" if env_threads else "; OMP_NUM_THREADS unset")),
         (f"- Workload: float32 N(0,1)·lognormal vector, uniform table (2^b levels), "
-         f"bucket size {args.bucket_size}, {args.norm} norm, uniforms from each framework's "
-         "RNG (numpy Generator, torch.Generator, tf.random.Generator)"),
-        ("- GB/s = 4·n bytes of float32 / best time over the repeats (encode: gradient in, "
-         "payload out; decode: payload in, float32 out). memcpy = `np.copyto` of the same "
-         "4·n bytes in the same run; ratio = kernel GB/s ÷ memcpy GB/s."),
-        ("- TensorFlow: `encode_with` / `decode_with` in `tf.function`, levels and header in "
-         "variables; numpy: the reference codec (written for clarity, not speed)."),
+         f"bucket size {args.bucket_size}, {args.norm} norm, uniforms from the format's stream "
+         "(every implementation writes the same bytes)"),
+        (f"- GB/s: encode = 4·n bytes of float32 in / best time; decode = decode_average of "
+         f"{DECODE_RANKS} payloads, 4·n·{DECODE_RANKS} bytes of float32 decoded / best time. "
+         "memcpy = `np.copyto` of 4·n bytes in the same run; ratio = kernel GB/s ÷ memcpy GB/s "
+         "(targets: encode ≥ 0.25, decode ≥ 0.5)."),
+        ("- Implementations: numpy oracle = `horovod_aq.codec.reference` (not measured at 64M); "
+         "fused CPU = `horovod_aq.codec.fused`; torch ops = `horovod_aq.torch.kernels` with "
+         "HOROVOD_AQ_KERNELS=ops; torch (dispatch) = the same module as the optimizer calls it "
+         "(CPU tensors go to the fused kernel); tf = `encode_with` / `decode_average_with` in "
+         "`tf.function`, levels and header in variables."),
         "",
-        ("| framework | bits | n | encode GB/s | encode / memcpy | decode GB/s | decode / memcpy "
-         "| memcpy GB/s |"),
+        ("| implementation | bits | n | encode GB/s | encode / memcpy | decode GB/s | "
+         "decode / memcpy | memcpy GB/s |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, bits, size, enc, enc_r, dec, dec_r, copy in rows:

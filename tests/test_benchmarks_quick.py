@@ -143,3 +143,19 @@ def test_linear_models_quick():
     assert float(m.group(2)) < 0.6, ecq
     mean = [float(row[1].split(" ± ")[0]) for row in (ecq, plain)]
     assert mean[0] < 0.6 * mean[1], (ecq, plain)
+
+
+def test_kernels_quick():
+    """benchmarks/kernels.py --quick measures every implementation at both sizes and widths
+    (byte-exactness of the implementations is tested in test_fused_cpu / test_kernels_*)."""
+    start = time.time()
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--quick"],
+                          cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    md = QUICK / "kernels.md"
+    assert md.exists() and md.stat().st_mtime >= start - 1, f"{md} missing or stale"
+    text = md.read_text()
+    assert "- Command: `python benchmarks/kernels.py --quick`" in text
+    for name in ("numpy oracle", "fused CPU (numba)", "torch ops", "torch (dispatch)", "tf"):
+        assert len(re.findall(rf"^\| {re.escape(name)} \| \d \| ", text, re.M)) == 4, name

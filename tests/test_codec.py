@@ -45,7 +45,7 @@ def test_header_layout_matches_the_documented_offsets():
     raw = codec.make_header(1_000_003, table, 512, "linf")
     assert len(raw) == HEADER_SIZE == 32
     assert raw[0:2] == b"AQ"
-    assert raw[2] == codec.FORMAT_VERSION == 1
+    assert raw[2] == codec.FORMAT_VERSION == 2
     assert raw[3] == 3 and raw[4] == codec.NORM_CODES["linf"] == 1 and raw[5] == 0
     assert struct.unpack_from("<H", raw, 6)[0] == 8
     assert struct.unpack_from("<I", raw, 8)[0] == 7
@@ -54,7 +54,7 @@ def test_header_layout_matches_the_documented_offsets():
     assert struct.unpack_from("<Q", raw, 20)[0] == 1_000_003
     assert struct.unpack_from("<I", raw, 28)[0] == 0
     header = codec.parse_header(np.frombuffer(raw, np.uint8))
-    assert header == codec.Header(1, 3, "linf", 0, 8, 7, table.hash, 512, 1_000_003)
+    assert header == codec.Header(2, 3, "linf", 0, 8, 7, table.hash, 512, 1_000_003)
     assert header.num_buckets == 1954 and header.codes_offset == 32 + 4 * 1954
 
 
@@ -429,7 +429,7 @@ def test_truncated_and_oversized_payloads(payload_and_table):
 
 def test_wrong_magic_version_and_reserved_fields(payload_and_table):
     payload, table = payload_and_table
-    for offset, value, match in [(0, ord("X"), "magic"), (2, 2, "format version 2"),
+    for offset, value, match in [(0, ord("X"), "magic"), (2, 3, "format version 3"),
                                  (3, 9, "bits 9"), (4, 7, "norm code 7"), (5, 2, "reserved")]:
         bad = payload.copy()
         bad[offset] = value

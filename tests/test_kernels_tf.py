@@ -155,8 +155,8 @@ def test_eager_errors_match_the_numpy_messages():
         tk.decode(payload[:-1], table)
     with pytest.raises(PayloadError, match="level-table version 3 .* holds version 4"):
         tk.decode(payload, table.with_version(4))
-    with pytest.raises(PayloadError, match="format version 2"):
-        tk.decode(tf.concat([payload[:2], [2], payload[3:]], 0), table)
+    with pytest.raises(PayloadError, match="format version 3"):
+        tk.decode(tf.concat([payload[:2], [3], payload[3:]], 0), table)
     with pytest.raises(PayloadError, match="rank 1: .*bucket_size 32"):
         other = tk.encode(tf.constant(gradient(100)), table, bucket_size=32, seed=0)
         tk.decode_average(tf.stack([payload, tf.pad(other, [[0, payload.shape[0] -

@@ -8,7 +8,7 @@ that buffer; the full description, with the rationale, is ``docs/format.md``. Th
 fills it is in ``horovod_aq.codec.reference`` (the numpy oracle), which every kernel matches byte
 for byte.
 
-Payload layout (format version 1)
+Payload layout (format version 2)
 ---------------------------------
 ::
 
@@ -26,7 +26,7 @@ HEADER, little-endian, no padding (``HEADER_FORMAT``, ``HEADER_FIELDS``, ``make_
 offset type   field
 ====== ====== ================================================================
 0      2s     magic ``b"AQ"`` (``MAGIC``)
-2      u8     format version (``FORMAT_VERSION`` = 1)
+2      u8     format version (``FORMAT_VERSION`` = 2)
 3      u8     bits b per code, 1..8 (= ⌈log₂ N⌉ of the table)
 4      u8     norm: 0 = l2, 1 = linf (``NORM_CODES``)
 5      u8     flags: 0, or ``FLAG_NONFINITE`` (1) — see "Non-finite input" (``FLAGS_OFFSET``)
@@ -80,7 +80,9 @@ __all__ = [
 ]
 
 MAGIC = b"AQ"
-FORMAT_VERSION = 1
+#: 2: the uniforms of stochastic rounding are the counter-based stream of ``codec.stream``
+#: (version 1 left them to each framework). The byte layout is unchanged.
+FORMAT_VERSION = 2
 #: Header flag: the sender's input had non-finite values; the payload carries no data.
 FLAG_NONFINITE = 1
 HEADER_FORMAT = "<2sBBBBHIIIQI"  # magic, version, bits, norm, flags, N, tver, thash, B, n, reserved

@@ -36,6 +36,7 @@ Importing this module imports TensorFlow; ``horovod_aq.codec`` never does.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -172,6 +173,45 @@ def stream_uniforms(n: int, key: Any, start: int = 0) -> tf.Tensor:
     return tf.cast(top, tf.float32) * (2.0 ** -UNIFORM_BITS)
 
 
+#: "auto": on a machine without a GPU, keyed encodes and decode_average run the compiled CPU
+#: kernel of ``horovod_aq.codec.fused`` (through ``tf.numpy_function``, eager and traced);
+#: "ops": always the TensorFlow ops below. Set by ``HOROVOD_AQ_KERNELS``.
+IMPLEMENTATION = os.environ.get("HOROVOD_AQ_KERNELS", "auto")
+if IMPLEMENTATION not in ("auto", "ops"):
+    raise ValueError(f"HOROVOD_AQ_KERNELS must be 'auto' or 'ops', got {IMPLEMENTATION!r}")
+
+
+def use_fused() -> bool:
+    """Whether the compiled CPU kernel runs (see ``IMPLEMENTATION``): no GPU is visible."""
+    if IMPLEMENTATION != "auto":
+        return False
+    if "gpu" not in _DEVICES:
+        _DEVICES["gpu"] = bool(tf.config.list_physical_devices("GPU"))
+    return not _DEVICES["gpu"]
+
+
+_DEVICES: dict[str, bool] = {}
+
+
+def _fused_encode(flat: tf.Tensor, levels: tf.Tensor, header_u8: tf.Tensor, *, n: int, bits: int,
+                  bucket_size: int, norm: str, key: Any, deps: list) -> tf.Tensor:
+    """The fused CPU encode of ``horovod_aq.codec.fused.encode_with`` as a graph op."""
+    from horovod_aq.codec import fused
+
+    k0, k1, step, bucket, part = key.scalars() if isinstance(key, StreamKey) else key
+    scalars = tf.stack([tf.cast(v, tf.int64) for v in (k0, k1, step, bucket, part)])
+
+    def run(x, lv, hd, sc):
+        return fused.encode_with(x, lv, hd, bits=bits, bucket_size=bucket_size, norm=norm,
+                                 key=tuple(int(v) for v in sc))
+
+    with tf.control_dependencies(deps):
+        out = tf.numpy_function(run, [flat, levels, header_u8, scalars], tf.uint8,
+                                stateful=False, name="aq_fused_encode")
+    out.set_shape([codec.payload_size(n, bits, bucket_size)])
+    return out
+
+
 def _uniforms(n: int, uniforms: Any, seed: Any, deps: list,
               key: Any = None) -> tuple[tf.Tensor, list]:
     if key is not None and uniforms is None:
@@ -293,6 +333,11 @@ def encode_with(
     n = _static_numel(flat)
     header_checks = (encoder_header_check(header_u8, levels, n, bits, bucket_size, norm)
                      if check else [])
+    if key is not None and uniforms is None and use_fused():
+        deps = header_checks + (values_check(flat, _norms(flat, n, bucket_size, norm), n)
+                                if check else [])
+        return _fused_encode(flat, levels, header_u8, n=n, bits=bits, bucket_size=bucket_size,
+                             norm=norm, key=key, deps=deps)
     codes, norms, n = _quantize_codes(flat, levels, bucket_size=bucket_size, norm=norm,
                                       uniforms=uniforms, seed=seed, check=check,
                                       extra_deps=header_checks, key=key)
@@ -389,6 +434,18 @@ def decode_average_with(
     checks = _check_rows(payloads, size, expected_header_u8, check)
     world = tf.shape(payloads)[0]
     checks.append(tf.debugging.assert_positive(world, message="decode_average needs P ≥ 1"))
+    if use_fused():
+        from horovod_aq.codec import fused
+
+        def run(rows, lv):
+            return fused.decode_average_with(rows, lv, numel=numel, bits=bits,
+                                             bucket_size=bucket_size)
+
+        with tf.control_dependencies(checks):
+            avg = tf.numpy_function(run, [payloads, tf.cast(levels_f32, tf.float32)], tf.float32,
+                                    stateful=False, name="aq_fused_decode_average")
+        avg.set_shape([numel])
+        return tf.cast(avg, dtype)
     with tf.control_dependencies(checks):
         lookup = _lookup(levels_f32, bits)
         acc = _dequantize(payloads[0], lookup, numel, bits, bucket_size)

@@ -34,6 +34,7 @@ chunks of whole buckets (``CHUNK_ELEMENTS``).
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 from collections import OrderedDict
@@ -385,6 +386,37 @@ def unpack_bits(stream: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return _unpack(padded, bits)[:count].to(torch.uint8)
 
 
+# --------------------------------------------------------------------------- implementations
+#: Which implementation runs a keyed encode and every decode: "auto" (the compiled CPU kernel of
+#: ``horovod_aq.codec.fused`` for CPU tensors, Triton for CUDA tensors when it is installed,
+#: these torch ops otherwise) or "ops" (always these ops). Set by ``HOROVOD_AQ_KERNELS``.
+IMPLEMENTATIONS = ("auto", "ops")
+IMPLEMENTATION = os.environ.get("HOROVOD_AQ_KERNELS", "auto")
+if IMPLEMENTATION not in IMPLEMENTATIONS:
+    raise ValueError(f"HOROVOD_AQ_KERNELS must be one of {IMPLEMENTATIONS}, got "
+                     f"{IMPLEMENTATION!r}")
+
+
+def implementation_for(device: torch.device) -> str:
+    """"fused" (CPU), "triton" (CUDA with Triton) or "torch" (these ops): what runs on
+    ``device``."""
+    if IMPLEMENTATION == "ops":
+        return "torch"
+    if device.type == "cpu":
+        return "fused"
+    if device.type == "cuda":
+        from horovod_aq.torch import triton_kernels
+
+        if triton_kernels.available():
+            return "triton"
+    return "torch"
+
+
+def _fused_input(x: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU gradient as float32 (one cast for other dtypes)."""
+    return _as_float32_flat(x).detach().numpy()
+
+
 # ------------------------------------------------------------------------------------- encode
 
 
@@ -477,6 +509,17 @@ def encode(
         key: the format's random stream (``codec.StreamKey``): the same bytes as
             ``codec.encode(..., key=key)``; overrides ``generator``.
     """
+    if key is not None and uniforms is None and isinstance(x, torch.Tensor):
+        impl = implementation_for(x.device)
+        if impl == "fused":
+            from horovod_aq.codec import fused
+
+            return torch.from_numpy(fused.encode(_fused_input(x), levels,
+                                                 bucket_size=bucket_size, norm=norm, key=key))
+        if impl == "triton":
+            from horovod_aq.torch import triton_kernels
+
+            return triton_kernels.encode(x, levels, bucket_size=bucket_size, norm=norm, key=key)
     table, bucket_size, norm, flat, norms, u = _prepare(x, levels, bucket_size, norm, uniforms)
     n, bits = flat.numel(), table.bits
     nb = norms.numel()
@@ -577,6 +620,9 @@ def decode(
     norm: str | None = None,
 ) -> torch.Tensor:
     """Decode one uint8 payload (any framework's) into a flat tensor of ``dtype``, same device."""
+    impl = implementation_for(payload.device) if isinstance(payload, torch.Tensor) else "torch"
+    if impl != "torch" and payload.dtype == torch.uint8 and payload.dim() == 1:
+        return _decode_with(impl, "decode", payload, levels, dtype, numel, bucket_size, norm)
     table = codec.as_table(levels)
     _check_payload_tensor(payload, 1)
     if payload.numel() < HEADER_SIZE:
@@ -602,6 +648,11 @@ def decode_average(
     device tensor, so CUDA performs a true division): bitwise equal on every rank and to
     ``codec.decode_average``. Only one decoded row is alive besides the accumulator.
     """
+    impl = implementation_for(payloads.device) if isinstance(payloads, torch.Tensor) else "torch"
+    if (impl != "torch" and payloads.dtype == torch.uint8 and payloads.dim() == 2
+            and payloads.shape[0] > 0):
+        return _decode_with(impl, "decode_average", payloads, levels, dtype, numel, bucket_size,
+                            norm)
     table = codec.as_table(levels)
     _check_payload_tensor(payloads, 2)
     world, size = payloads.shape
@@ -617,3 +668,18 @@ def decode_average(
         acc.add_(_decode_checked(payloads[rank], headers[rank], table))
     acc.div_(torch.full((), world, dtype=torch.float32, device=acc.device))
     return acc.to(dtype)
+
+
+def _decode_with(impl: str, op: str, payload: torch.Tensor, levels: Any, dtype: torch.dtype,
+                 numel: int | None, bucket_size: int | None, norm: str | None) -> torch.Tensor:
+    """``op`` ("decode" / "decode_average") by the compiled CPU kernel or Triton."""
+    kwargs = {"numel": numel, "bucket_size": bucket_size, "norm": norm}
+    if impl == "triton":
+        from horovod_aq.torch import triton_kernels
+
+        return getattr(triton_kernels, op)(payload, levels, dtype=dtype, **kwargs)
+    from horovod_aq.codec import fused
+
+    rows = payload.detach().contiguous().numpy()
+    return torch.from_numpy(getattr(fused, op)(rows, levels, **kwargs)).to(dtype)
+

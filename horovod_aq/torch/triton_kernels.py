@@ -1,0 +1,561 @@
+"""Triton kernels for the horovod_aq payload: ``encode`` and ``decode_average`` at memory speed.
+
+The same bytes as the numpy oracle (``horovod_aq.codec``, arithmetic in ``docs/format.md`` §5,
+random stream §6) and as ``horovod_aq.torch.kernels``, on CUDA tensors; CPU tensors run only
+under Triton's interpreter (``TRITON_INTERPRET=1``, how CI proves the kernels byte-exact)::
+
+    payload = encode(grad, table, bucket_size=512, key=StreamKey(seed, rank, step, bucket))
+    avg = decode_average(gathered.view(world, -1), table).view_as(grad)
+
+Kernels: bucket norms (one tile of whole buckets per program; buckets wider than ``NORM_BLOCK``
+are reduced in several passes that keep the canonical pairwise order), then quantize + pack
+(groups of 8 codes = ``bits`` bytes; Philox4x32-10 per 4 coordinates), and a decode kernel that
+adds the P rows in rank order. Divisions use ``tl.div_rn`` (IEEE), kernels are compiled with
+``enable_fp_fusion=False`` (no FMA), float64 only in the l2 sums. Headers are made and checked on
+the host with the helpers of ``horovod_aq.torch.kernels``; ``encode`` makes one host sync (the
+finiteness of the bucket norms), the decoders copy the 32-byte headers to the host once.
+
+``import triton`` happens at the first call (``available()`` says whether it can), and the
+kernels are jitted then, so ``TRITON_INTERPRET`` must be set before the first call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from horovod_aq import codec
+from horovod_aq.codec import HEADER_SIZE, NORM_BYTES, PayloadError
+from horovod_aq.codec.stream import MAX_STREAM_NUMEL, StreamKey
+from horovod_aq.levels.table import LevelTable
+from horovod_aq.torch import kernels as _tk
+
+__all__ = ["available", "decode", "decode_average", "encode", "interpreting",
+           "unavailable_reason"]
+
+#: Elements of one norm tile (float64 in the l2 kernel). Buckets up to this width (rounded up
+#: to a power of two) take one pass; wider ones are first reduced to this width (module doc).
+NORM_BLOCK = 4096
+#: Groups of 8 codes per program of the encode and decode kernels (1024 coordinates).
+ENCODE_GROUPS = 128
+DECODE_GROUPS = 128
+NUM_WARPS = 4
+_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+tl: Any = None  # triton.language, bound by _kernels()
+_STATE: dict[str, Any] = {}
+_LOCK = threading.Lock()
+_TABLES = _tk._DeviceCache(8)
+
+
+# ----------------------------------------------------------------------------- availability
+
+
+def _import_triton():
+    if "triton" not in _STATE:
+        try:
+            import triton
+            import triton.language
+        except Exception as err:  # ImportError, or a broken install
+            _STATE["triton"] = None
+            _STATE["reason"] = f"triton cannot be imported ({type(err).__name__}: {err})"
+        else:
+            _STATE["triton"] = triton
+            _STATE["reason"] = None
+    return _STATE["triton"]
+
+
+def available() -> bool:
+    """Whether Triton can be imported (CUDA tensors then run on the GPU; CPU tensors need
+    ``TRITON_INTERPRET=1``)."""
+    return _import_triton() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why ``available()`` is False (None when it is True)."""
+    _import_triton()
+    return _STATE["reason"]
+
+
+def interpreting() -> bool:
+    """Whether the kernels run (or will run) in Triton's interpreter."""
+    if "interpret" in _STATE:
+        return _STATE["interpret"]
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# ---------------------------------------------------------------------------- device helpers
+# Plain functions here; _kernels() replaces each by triton.jit(fn) at the first call (so the
+# interpreter setting is read then, and this module imports without triton).
+
+
+def _philox(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 of the counters (c0, c1, c2, c3) under key (k0, k1): uint32 tensors."""
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(c0, 0xD2511F53)
+        lo0 = c0 * 0xD2511F53
+        hi1 = tl.umulhi(c2, 0xCD9E8D57)
+        lo1 = c2 * 0xCD9E8D57
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+def _bucket_of(i, bucket_size, log_bucket, POW2_BUCKET: tl.constexpr):
+    if POW2_BUCKET:
+        return i >> log_bucket
+    else:
+        return i // bucket_size
+
+
+def _locate(r, lev_ptr, nlev, BITS: tl.constexpr):
+    """j = clip(searchsorted(L, r, "right") − 1, 0, N − 2); lev_ptr: L padded with +inf to
+    2^BITS entries. Branch-free binary search for the count of levels ≤ r."""
+    pos = tl.zeros(r.shape, tl.int32)
+    for k in tl.static_range(BITS):
+        step = (1 << (BITS - 1)) >> k
+        probe = tl.load(lev_ptr + (pos + (step - 1)))
+        pos = tl.where(probe <= r, pos + step, pos)
+    pos = pos + (tl.load(lev_ptr + pos) <= r).to(tl.int32)
+    return tl.minimum(tl.maximum(pos - 1, 0), nlev - 2)
+
+
+def _norm_values(x, L2: tl.constexpr):
+    """float64 squares (l2) or |x| with NaN → +inf (linf, so that a NaN makes the norm
+    non-finite: tl.max does not propagate NaN)."""
+    if L2:
+        q = x.to(tl.float64)
+        return q * q
+    else:
+        return tl.where(x == x, tl.abs(x), float("inf"))
+
+
+# ---------------------------------------------------------------------------------- kernels
+
+
+def _norm_kernel(src_ptr, norms_ptr, n, bucket_size, num_buckets,
+                 W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr,
+                 L2: tl.constexpr, FROM_INPUT: tl.constexpr, WIDE: tl.constexpr):
+    """ROWS whole buckets per program, each zero-padded to W (a power of two ≥ its width):
+    l2 = float32(sqrt(canonical pairwise float64 sum of squares)), linf = max |x|. Reads the
+    input (FROM_INPUT) or a [num_buckets, W] scratch of partial sums/maxima."""
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    e = tl.arange(0, W)
+    live = rows[:, None] < num_buckets
+    if FROM_INPUT:
+        i = rows[:, None] * bucket_size + e[None, :]
+        mask = live & (e[None, :] < bucket_size) & (i < n)
+        x = tl.load(src_ptr + i, mask=mask, other=0.0).to(tl.float32)
+        q = _norm_values(x, L2)
+    else:
+        q = tl.load(src_ptr + (rows[:, None] * W + e[None, :]), mask=live, other=0.0)
+    if L2:
+        for k in tl.static_range(LOG_W):  # q_k += q_{k + W/2}, W halving (codec step 2)
+            q = tl.sum(tl.reshape(q, (ROWS, 2, W >> (k + 1))), axis=1)
+        total = tl.reshape(q, (ROWS,))
+        value = tl.sqrt(total).to(tl.float32)
+    else:
+        value = tl.max(q, axis=1)
+    tl.store(norms_ptr + rows, value, mask=rows < num_buckets)
+
+
+def _partial_kernel(src_ptr, dst_ptr, n, bucket_size, src_width, dst_width, per_bucket,
+                    M: tl.constexpr, LOG_M: tl.constexpr, KT: tl.constexpr,
+                    L2: tl.constexpr, FROM_INPUT: tl.constexpr, WIDE: tl.constexpr):
+    """One pass of the norms of wide buckets: dst[b, k] = canonical pairwise sum (or max) over
+    m < M of src[b, m·dst_width + k], i.e. the first log2(M) halvings of the bucket's row.
+    Program (b, c) does columns k of [c·KT, (c+1)·KT)."""
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    bucket = pid // per_bucket
+    col = (pid % per_bucket) * KT + tl.arange(0, KT)
+    m = tl.arange(0, M)
+    e = m[:, None] * dst_width + col[None, :]
+    if FROM_INPUT:
+        i = bucket * bucket_size + e
+        x = tl.load(src_ptr + i, mask=(e < bucket_size) & (i < n), other=0.0).to(tl.float32)
+        q = _norm_values(x, L2)
+    else:
+        q = tl.load(src_ptr + (bucket * src_width + e))
+    if L2:
+        for k in tl.static_range(LOG_M):
+            q = tl.sum(tl.reshape(q, (2, M >> (k + 1), KT)), axis=0)
+        part = tl.reshape(q, (KT,))
+    else:
+        part = tl.max(q, axis=0)
+    tl.store(dst_ptr + (bucket * dst_width + col), part)
+
+
+def _encode_kernel(x_ptr, norms_ptr, lev_ptr, gap_ptr, out_ptr, n, bucket_size, log_bucket,
+                   nlev, nbytes, k0, k1, c1, c2, c3,
+                   BITS: tl.constexpr, GROUPS: tl.constexpr, POW2_BUCKET: tl.constexpr,
+                   WIDE: tl.constexpr):
+    """Normalize, locate, draw, round and pack 8·GROUPS coordinates (GROUPS·BITS bytes)."""
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    first = pid * (GROUPS * 8)
+    ctr = tl.arange(0, 2 * GROUPS)  # Philox counters of this block: 4 coordinates each
+    word = tl.arange(0, 4)
+    i = first + ctr[:, None] * 4 + word[None, :]
+    live = i < n
+    x = tl.load(x_ptr + i, mask=live, other=0.0).to(tl.float32)
+    nrm = tl.load(norms_ptr + _bucket_of(i, bucket_size, log_bucket, POW2_BUCKET), mask=live,
+                  other=1.0)
+    r = tl.div_rn(x, tl.where(nrm == 0.0, 1.0, nrm))  # zero bucket: 0 / 1 = 0
+    r = tl.minimum(tl.maximum(r, -1.0), 1.0)
+    j = _locate(r, lev_ptr, nlev, BITS)
+    xi = tl.div_rn(r - tl.load(lev_ptr + j), tl.load(gap_ptr + j))
+    # The stream: u_i = (Philox(⌊i/4⌋, c1, c2, c3; k0, k1)[i mod 4] >> 8) · 2^−24.
+    c0 = (first // 4 + ctr).to(tl.uint32)
+    zero = tl.zeros_like(c0)
+    w0, w1, w2, w3 = _philox(
+        c0, zero + c1.to(tl.uint32, bitcast=True), zero + c2.to(tl.uint32, bitcast=True),
+        zero + c3.to(tl.uint32, bitcast=True), zero + k0.to(tl.uint32, bitcast=True),
+        zero + k1.to(tl.uint32, bitcast=True))
+    sel = word[None, :]
+    w = tl.where(sel == 0, w0[:, None],
+                 tl.where(sel == 1, w1[:, None], tl.where(sel == 2, w2[:, None], w3[:, None])))
+    u = (w >> 8).to(tl.float32) * 5.9604644775390625e-08
+    code = tl.where(live, tl.where(u < xi, j + 1, j), 0)  # unused bits of the last byte: 0
+    # Pack: the 8 codes of a group are the low BITS bytes of Σ_t code_t << (t·BITS).
+    t = tl.arange(0, 8)
+    if BITS <= 4:
+        code8 = tl.reshape(code, (GROUPS, 8)).to(tl.uint32)
+        packed = tl.sum(code8 << (t * BITS).to(tl.uint32)[None, :], axis=1)
+        byte = (packed[:, None] >> ((t * 8) & 31).to(tl.uint32)[None, :]) & 0xFF
+    else:
+        code8 = tl.reshape(code, (GROUPS, 8)).to(tl.uint64)
+        packed = tl.sum(code8 << (t * BITS).to(tl.uint64)[None, :], axis=1)
+        byte = (packed[:, None] >> (t * 8).to(tl.uint64)[None, :]) & 0xFF
+    g = first // 8 + tl.arange(0, GROUPS)
+    dst = g[:, None] * BITS + t[None, :]
+    tl.store(out_ptr + dst, byte.to(tl.uint8), mask=(t[None, :] < BITS) & (dst < nbytes))
+
+
+def _decoded_row(codes_ptr, norms_ptr, lookup_ptr, src, src_mask, bucket, live, t,
+                 BITS: tl.constexpr):
+    """x̂ = n_bucket · L[code] (float32) of one row's 8·GROUPS coordinates."""
+    raw = tl.load(codes_ptr + src, mask=src_mask, other=0)
+    if BITS <= 4:
+        word = tl.sum(raw.to(tl.uint32) << ((t * 8) & 31).to(tl.uint32)[None, :], axis=1)
+        code = (word[:, None] >> (t * BITS).to(tl.uint32)[None, :]) & ((1 << BITS) - 1)
+    else:
+        word = tl.sum(raw.to(tl.uint64) << (t * 8).to(tl.uint64)[None, :], axis=1)
+        code = (word[:, None] >> (t * BITS).to(tl.uint64)[None, :]) & ((1 << BITS) - 1)
+    level = tl.load(lookup_ptr + code.to(tl.int32))  # NaN past the table (corrupt codes)
+    nrm = tl.load(norms_ptr + bucket, mask=live, other=0.0)
+    return nrm * level
+
+
+def _decode_kernel(rows_ptr, row_stride, norms_ptr, norm_stride, lookup_ptr, out_ptr, n,
+                   bucket_size, log_bucket, nbytes, codes_at, world, world_f,
+                   BITS: tl.constexpr, GROUPS: tl.constexpr, AVERAGE: tl.constexpr,
+                   POW2_BUCKET: tl.constexpr, WIDE: tl.constexpr):
+    """acc = x̂⁽⁰⁾; acc += x̂⁽ᵖ⁾ for p = 1 … P−1 in float32; acc / P (AVERAGE), 8·GROUPS
+    coordinates per program (codec step 7)."""
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    first = pid * (GROUPS * 8)
+    grp = tl.arange(0, GROUPS)
+    t = tl.arange(0, 8)
+    i = first + grp[:, None] * 8 + t[None, :]
+    live = i < n
+    bucket = _bucket_of(i, bucket_size, log_bucket, POW2_BUCKET)
+    src = (first // 8 + grp)[:, None] * BITS + t[None, :]
+    src_mask = (t[None, :] < BITS) & (src < nbytes)
+    row = rows_ptr + codes_at
+    acc = _decoded_row(row, norms_ptr, lookup_ptr, src, src_mask, bucket, live, t, BITS)
+    nrm_row = norms_ptr
+    for _ in range(1, world):
+        row += row_stride
+        nrm_row += norm_stride
+        acc = acc + _decoded_row(row, nrm_row, lookup_ptr, src, src_mask, bucket, live, t,
+                                 BITS)
+    if AVERAGE:
+        acc = tl.div_rn(acc, world_f)
+    tl.store(out_ptr + i, acc, mask=live)
+
+
+_HELPERS = ("_philox", "_bucket_of", "_locate", "_norm_values", "_decoded_row")
+_KERNELS = ("_norm_kernel", "_partial_kernel", "_encode_kernel", "_decode_kernel")
+#: Runtime scalars that must not be specialized (a key word equal to 1, a size divisible by
+#: 16 …): one compiled variant per set of constexprs, whatever the values.
+_NO_SPECIALIZE = {
+    "_norm_kernel": ["n", "bucket_size", "num_buckets"],
+    "_partial_kernel": ["n", "bucket_size", "src_width", "dst_width", "per_bucket"],
+    "_encode_kernel": ["n", "bucket_size", "log_bucket", "nlev", "nbytes", "k0", "k1", "c1",
+                       "c2", "c3"],
+    "_decode_kernel": ["row_stride", "norm_stride", "n", "bucket_size", "log_bucket", "nbytes",
+                       "codes_at", "world"],
+}
+
+
+def _kernels() -> dict[str, Any]:
+    """Import triton and jit the kernels (once, at the first call)."""
+    if "kernels" in _STATE:
+        return _STATE["kernels"]
+    with _LOCK:
+        if "kernels" in _STATE:
+            return _STATE["kernels"]
+        triton = _import_triton()
+        if triton is None:
+            raise RuntimeError(f"horovod_aq.torch.triton_kernels is unavailable: "
+                               f"{_STATE['reason']}; use horovod_aq.torch.kernels instead")
+        from triton import knobs
+
+        g = globals()
+        g["tl"] = triton.language
+        for name in _HELPERS:
+            g[name] = triton.jit(g[name])
+        for name in _KERNELS:
+            g[name] = triton.jit(g[name], do_not_specialize=_NO_SPECIALIZE[name])
+        _STATE["interpret"] = bool(knobs.runtime.interpret)
+        _STATE["kernels"] = {name: g[name] for name in _KERNELS}
+    return _STATE["kernels"]
+
+
+# ------------------------------------------------------------------------------------- host
+
+
+class _Levels:
+    """A level table on one device: ``search`` (L padded with +inf to 2^bits), ``gaps``
+    (L[j+1] − L[j]) and ``lookup`` (L padded with NaN to 2^bits), all float32."""
+
+    def __init__(self, table: LevelTable, device) -> None:
+        levels = codec.float32_levels(table)  # validates (and flushes subnormal levels)
+        size = 1 << table.bits
+        search = np.full(size, np.inf, dtype=np.float32)
+        search[: levels.size] = levels
+        lookup = np.full(size, np.nan, dtype=np.float32)
+        lookup[: levels.size] = levels
+        gaps = np.zeros(size, dtype=np.float32)
+        gaps[: levels.size - 1] = levels[1:] - levels[:-1]
+        self.search, self.lookup, self.gaps = (torch.from_numpy(a).to(device)
+                                               for a in (search, lookup, gaps))
+        self.num_levels = levels.size
+
+
+def _levels(table: LevelTable, device) -> _Levels:
+    key = (table.version, table.hash, table.num_levels, str(device))
+    return _TABLES.get(key, lambda: _Levels(table, device))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _log2(n: int) -> int:
+    return int(n).bit_length() - 1
+
+
+def _wide(n: int) -> bool:
+    """Whether int32 offsets could overflow (element, byte, bucket·B and scratch offsets)."""
+    return 4 * n + (1 << 22) >= 2**31
+
+
+def _prepare_device(device: torch.device):
+    """The launch context of ``device``; refuses CPU tensors outside the interpreter."""
+    _kernels()
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    if device.type == "cpu" and interpreting():
+        return contextlib.nullcontext()
+    raise RuntimeError(
+        f"the Triton kernels run on CUDA tensors, got a {device.type} tensor (CPU tensors only "
+        "under TRITON_INTERPRET=1, for tests); use horovod_aq.torch.kernels on CPU")
+
+
+def _launch(kernel, grid, *args, **constexprs) -> None:
+    kernel[grid](*args, **constexprs, num_warps=NUM_WARPS, enable_fp_fusion=False)
+
+
+def _flat_input(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype == torch.float64:
+        return x.detach().reshape(-1).to(torch.float32).contiguous()  # rounds to nearest
+    if x.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"expected a floating-point gradient, got dtype {x.dtype}")
+    return x.detach().reshape(-1).contiguous()  # fp16/bf16 are cast inside the kernels
+
+
+def _bucket_norms(flat: torch.Tensor, norms: torch.Tensor, bucket_size: int, norm: str) -> None:
+    """Fill ``norms`` (float32, ⌈n/B⌉) with the bucket norms of ``flat`` (codec step 2)."""
+    k = _kernels()
+    n, nb = flat.numel(), norms.numel()
+    l2, wide, block = norm == "l2", _wide(n), NORM_BLOCK
+    width = max(2, _next_pow2(min(bucket_size, n)))
+    src, from_input = flat, True
+    while width > block:  # wide buckets: the first halvings, M rows at a time
+        m = min(width // block, block)
+        kt = block // m
+        dst_width = width // m
+        per_bucket = dst_width // kt
+        dst = torch.empty(nb * dst_width, dtype=torch.float64 if l2 else torch.float32,
+                          device=flat.device)
+        _launch(k["_partial_kernel"], (nb * per_bucket,), src, dst, n, bucket_size, width,
+                dst_width, per_bucket, M=m, LOG_M=_log2(m), KT=kt, L2=l2, FROM_INPUT=from_input,
+                WIDE=wide)
+        src, from_input, width = dst, False, dst_width
+    rows = max(1, block // width)
+    _launch(k["_norm_kernel"], (-(-nb // rows),), src, norms, n, bucket_size, nb, W=width,
+            LOG_W=_log2(width), ROWS=rows, L2=l2, FROM_INPUT=from_input, WIDE=wide)
+
+
+def _output(out: torch.Tensor | None, size: int, device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(size, dtype=torch.uint8, device=device)
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1
+            or out.numel() != size or out.device != device or not out.is_contiguous()):
+        raise ValueError(
+            f"out must be a contiguous 1-D uint8 tensor of {size} bytes on {device}, got "
+            f"{getattr(out, 'dtype', type(out))} of shape {tuple(getattr(out, 'shape', ()))}")
+    return out
+
+
+def encode(
+    x: torch.Tensor,
+    levels: LevelTable | Any,
+    *,
+    bucket_size: int,
+    norm: str = "l2",
+    key: StreamKey,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Quantize and pack x into a uint8 payload on x's device: ``codec.encode(x, levels,
+    bucket_size=, norm=, key=key)`` byte for byte.
+
+    Args:
+        x: gradient of any shape; float16/bfloat16/float32 (float64 is cast first), finite.
+        levels: a ``LevelTable`` (or an array, taken as version 0).
+        bucket_size, norm: as in ``codec.encode``.
+        key: the random stream (``codec.stream.StreamKey``: seed, rank, step, bucket, part).
+        out: optional contiguous uint8 tensor of ``payload_size`` bytes to write into; nothing
+            is written to it when the input is rejected.
+
+    Raises ``ValueError`` with the messages of ``horovod_aq.torch.kernels.encode`` for
+    non-finite input or an overflowing norm (found on the device, one host sync).
+    """
+    table = codec.as_table(levels)
+    bucket_size = codec.check_bucket_size(bucket_size)
+    norm = codec.check_norm(norm)
+    if not isinstance(key, StreamKey):
+        raise TypeError(f"key must be a horovod_aq.codec.stream.StreamKey, got {key!r}")
+    flat = _flat_input(x)
+    device = flat.device
+    n, bits = flat.numel(), table.bits
+    if n > MAX_STREAM_NUMEL:
+        raise ValueError(f"the random stream indexes at most {MAX_STREAM_NUMEL} coordinates, "
+                         f"got {n}")
+    with _prepare_device(device):
+        tab = _levels(table, device)
+        nb = codec.num_buckets(n, bucket_size)
+        codes_at = HEADER_SIZE + NORM_BYTES * nb
+        payload = _output(out, codec.payload_size(n, bits, bucket_size), device)
+        if n == 0:
+            payload[:HEADER_SIZE] = _tk._header(n, table, bucket_size, norm, device)
+            return payload
+        bucket = min(bucket_size, n)  # the same buckets; keeps B in int32
+        direct = out is None  # write norms into the payload only if it is ours
+        norms = (payload[HEADER_SIZE:codes_at].view(torch.float32) if direct
+                 else torch.empty(nb, dtype=torch.float32, device=device))
+        _bucket_norms(flat, norms, bucket, norm)
+        _tk._check_finite(flat, norms)  # one sync; raises the torch kernels' errors
+        payload[:HEADER_SIZE] = _tk._header(n, table, bucket_size, norm, device)
+        if not direct:
+            payload[HEADER_SIZE:codes_at] = norms.view(torch.uint8)
+        k0, k1, c1, c2, c3 = (v - 2**32 if v >= 2**31 else v for v in key.scalars())
+        pow2 = bucket & (bucket - 1) == 0
+        groups = ENCODE_GROUPS
+        grid = (-(-n // (8 * groups)),)
+        _launch(_kernels()["_encode_kernel"], grid, flat, norms, tab.search, tab.gaps,
+                payload[codes_at:], n, bucket, _log2(bucket), tab.num_levels,
+                codec.packed_size(n, bits), k0, k1, c1, c2, c3, BITS=bits, GROUPS=groups,
+                POW2_BUCKET=pow2, WIDE=_wide(n))
+    return payload
+
+
+def _decode_rows(rows: torch.Tensor, header: codec.Header, table: LevelTable,
+                 average: bool) -> torch.Tensor:
+    """float32 decode of row 0 (``average`` False) or the average of all rows of a validated
+    [P, size] uint8 tensor."""
+    n, bits, bucket_size = header.numel, header.bits, header.bucket_size
+    device = rows.device
+    with _prepare_device(device):
+        out = torch.empty(n, dtype=torch.float32, device=device)
+        if n == 0:
+            return out
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        world = rows.shape[0] if average else 1
+        codes_at = header.codes_offset
+        norms = torch.empty((world, codes_at - HEADER_SIZE), dtype=torch.uint8, device=device)
+        norms.copy_(rows[:world, HEADER_SIZE:codes_at])  # aligned float32 [P, ⌈n/B⌉]
+        norms = norms.view(torch.float32)
+        tab = _levels(table, device)
+        bucket = min(bucket_size, n)
+        groups = DECODE_GROUPS
+        grid = (-(-n // (8 * groups)),)
+        _launch(_kernels()["_decode_kernel"], grid, rows, rows.stride(0), norms, norms.stride(0),
+                tab.lookup, out, n, bucket, _log2(bucket), codec.packed_size(n, bits), codes_at,
+                world, float(world), BITS=bits, GROUPS=groups, AVERAGE=world > 1,
+                POW2_BUCKET=bucket & (bucket - 1) == 0, WIDE=_wide(n))
+    return out
+
+
+def decode(
+    payload: torch.Tensor,
+    levels: LevelTable | Any,
+    *,
+    dtype: torch.dtype = torch.float32,
+    numel: int | None = None,
+    bucket_size: int | None = None,
+    norm: str | None = None,
+) -> torch.Tensor:
+    """Decode one uint8 payload into a flat tensor of ``dtype`` on its device
+    (``codec.decode``; validation and errors of ``horovod_aq.torch.kernels.decode``)."""
+    table = codec.as_table(levels)
+    _tk._check_payload_tensor(payload, 1)
+    if payload.numel() < HEADER_SIZE:
+        codec.parse_header(payload.cpu().numpy())  # raises "truncated"
+    (header,) = _tk._host_headers(payload[None])
+    codec.check_rows([header], table, payload.numel(), numel=numel, bucket_size=bucket_size,
+                     norm=norm, name_rank=False)
+    return _decode_rows(payload[None], header, table, average=False).to(dtype)
+
+
+def decode_average(
+    payloads: torch.Tensor,
+    levels: LevelTable | Any,
+    *,
+    dtype: torch.dtype = torch.float32,
+    numel: int | None = None,
+    bucket_size: int | None = None,
+    norm: str | None = None,
+) -> torch.Tensor:
+    """Average of the decoded rows of a gathered [P, size] uint8 tensor (codec step 7):
+    rows added in rank order in float32, then divided by P; ``codec.decode_average`` bit for
+    bit. Validation and errors of ``horovod_aq.torch.kernels.decode_average``."""
+    table = codec.as_table(levels)
+    _tk._check_payload_tensor(payloads, 2)
+    world, size = payloads.shape
+    if world == 0:
+        raise PayloadError("decode_average needs at least one payload row")
+    if size < HEADER_SIZE:
+        codec.parse_header(payloads[0].cpu().numpy())  # raises "truncated"
+    headers = _tk._host_headers(payloads)
+    first = codec.check_rows(headers, table, size, numel=numel, bucket_size=bucket_size,
+                             norm=norm)
+    return _decode_rows(payloads, first, table, average=True).to(dtype)
