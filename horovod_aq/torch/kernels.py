@@ -625,12 +625,28 @@ def decode(
         return _decode_with(impl, "decode", payload, levels, dtype, numel, bucket_size, norm)
     table = codec.as_table(levels)
     _check_payload_tensor(payload, 1)
-    if payload.numel() < HEADER_SIZE:
-        codec.parse_header(payload.cpu().numpy())  # raises "truncated"
-    (header,) = _host_headers(payload[None])
-    codec.check_rows([header], table, payload.numel(), numel=numel, bucket_size=bucket_size,
-                     norm=norm, name_rank=False)
+    _, header = checked_headers(payload[None], table, numel, bucket_size, norm, single=True)
     return _decode_checked(payload, header, table).to(dtype)
+
+
+def checked_headers(rows: torch.Tensor, table: LevelTable, numel: int | None,
+                    bucket_size: int | None, norm: str | None, *,
+                    single: bool = False) -> tuple[list[codec.Header], codec.Header]:
+    """Validate gathered payload rows [P, size] (``single``: the one row of a ``decode``, whose
+    tensor the caller checked) on the host with the numpy codec's checks and messages; returns
+    (every header, row 0's checked header). Shared by these ops and
+    ``horovod_aq.torch.triton_kernels``."""
+    if not single:
+        _check_payload_tensor(rows, 2)
+    world, size = rows.shape
+    if world == 0:
+        raise PayloadError("decode_average needs at least one payload row")
+    if size < HEADER_SIZE:
+        codec.parse_header(rows[0].cpu().numpy())  # raises "truncated"
+    headers = _host_headers(rows)
+    first = codec.check_rows(headers, table, size, numel=numel, bucket_size=bucket_size,
+                             norm=norm, name_rank=not single)
+    return headers, first
 
 
 def decode_average(
@@ -654,15 +670,8 @@ def decode_average(
         return _decode_with(impl, "decode_average", payloads, levels, dtype, numel, bucket_size,
                             norm)
     table = codec.as_table(levels)
-    _check_payload_tensor(payloads, 2)
-    world, size = payloads.shape
-    if world == 0:
-        raise PayloadError("decode_average needs at least one payload row")
-    if size < HEADER_SIZE:
-        codec.parse_header(payloads[0].cpu().numpy())  # raises "truncated"
-    headers = _host_headers(payloads)
-    first = codec.check_rows(headers, table, size, numel=numel, bucket_size=bucket_size,
-                             norm=norm)
+    headers, first = checked_headers(payloads, table, numel, bucket_size, norm)
+    world = len(headers)
     acc = _decode_checked(payloads[0], first, table)
     for rank in range(1, world):
         acc.add_(_decode_checked(payloads[rank], headers[rank], table))

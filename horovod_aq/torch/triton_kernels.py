@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from horovod_aq import codec
-from horovod_aq.codec import HEADER_SIZE, NORM_BYTES, PayloadError
+from horovod_aq.codec import HEADER_SIZE, NORM_BYTES
 from horovod_aq.codec.stream import MAX_STREAM_NUMEL, StreamKey
 from horovod_aq.levels.table import LevelTable
 from horovod_aq.torch import kernels as _tk
@@ -528,11 +528,7 @@ def decode(
     (``codec.decode``; validation and errors of ``horovod_aq.torch.kernels.decode``)."""
     table = codec.as_table(levels)
     _tk._check_payload_tensor(payload, 1)
-    if payload.numel() < HEADER_SIZE:
-        codec.parse_header(payload.cpu().numpy())  # raises "truncated"
-    (header,) = _tk._host_headers(payload[None])
-    codec.check_rows([header], table, payload.numel(), numel=numel, bucket_size=bucket_size,
-                     norm=norm, name_rank=False)
+    _, header = _tk.checked_headers(payload[None], table, numel, bucket_size, norm, single=True)
     return _decode_rows(payload[None], header, table, average=False).to(dtype)
 
 
@@ -549,13 +545,5 @@ def decode_average(
     rows added in rank order in float32, then divided by P; ``codec.decode_average`` bit for
     bit. Validation and errors of ``horovod_aq.torch.kernels.decode_average``."""
     table = codec.as_table(levels)
-    _tk._check_payload_tensor(payloads, 2)
-    world, size = payloads.shape
-    if world == 0:
-        raise PayloadError("decode_average needs at least one payload row")
-    if size < HEADER_SIZE:
-        codec.parse_header(payloads[0].cpu().numpy())  # raises "truncated"
-    headers = _tk._host_headers(payloads)
-    first = codec.check_rows(headers, table, size, numel=numel, bucket_size=bucket_size,
-                             norm=norm)
+    _, first = _tk.checked_headers(payloads, table, numel, bucket_size, norm)
     return _decode_rows(payloads, first, table, average=True).to(dtype)
