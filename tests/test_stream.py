@@ -131,3 +131,25 @@ def test_a_version_1_payload_is_refused_naming_both_versions():
     old[2] = 1
     with pytest.raises(PayloadError, match="format version 1; this build reads version 2"):
         codec.decode(old, table)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 8])
+def test_framework_ops_encode_the_oracles_bytes_from_a_key(bits, monkeypatch):
+    """The torch and TensorFlow ops (what CUDA without Triton and TensorFlow with a GPU run)
+    draw the stream themselves: the same bytes as the oracle for the same key."""
+    x = np.random.default_rng(bits).standard_normal(2500).astype(np.float32)
+    table = horovod_aq.QSGD(bits=bits).table
+    key = StreamKey(seed=9, rank=1, step=4, bucket=2, part=1)
+    want = codec.encode(x, table, bucket_size=1000, key=key)
+    torch = pytest.importorskip("torch")
+    from horovod_aq.torch import kernels as torch_kernels
+
+    monkeypatch.setattr(torch_kernels, "IMPLEMENTATION", "ops")
+    got = torch_kernels.encode(torch.from_numpy(x), table, bucket_size=1000, key=key)
+    np.testing.assert_array_equal(got.numpy(), want)
+    pytest.importorskip("tensorflow")
+    from horovod_aq.tensorflow import kernels as tf_kernels
+
+    monkeypatch.setattr(tf_kernels, "IMPLEMENTATION", "ops")
+    np.testing.assert_array_equal(tf_kernels.encode(x, table, bucket_size=1000, key=key).numpy(),
+                                  want)
