@@ -162,6 +162,8 @@ def worker(cfg: dict) -> None:
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     tx: dict[str, list[int]] = {m: [] for m in modes}
     rx: dict[str, list[int]] = {m: [] for m in modes}
+    #: per round: seconds spent in encode, decode, waiting (the packed optimizer's telemetry)
+    parts: dict[str, list[list[float]]] = {m: [] for m in modes}
     telemetry: dict[str, dict] = {}
     k = 0
     profiler = None
@@ -176,6 +178,7 @@ def worker(cfg: dict) -> None:
             t0x, r0x = _iface_counters(iface)
             c0 = time.process_time()
             block = []
+            split = [0.0, 0.0, 0.0]
             for _ in range(cfg["steps"]):
                 x, y = batches[k % len(batches)]
                 k += 1
@@ -188,6 +191,10 @@ def worker(cfg: dict) -> None:
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
                 block.append(time.perf_counter() - t0)
+                if mode.startswith("alq"):
+                    extra = opt.telemetry.last.extra
+                    for i, name in enumerate(("encode_s", "decode_s", "wait_s")):
+                        split[i] += extra.get(name, 0.0)
                 if profiling:
                     profiler.disable()
             c1 = time.process_time()
@@ -195,6 +202,7 @@ def worker(cfg: dict) -> None:
             t1x, r1x = _iface_counters(iface)
             times[mode].append(block)
             cpu[mode].append(c1 - c0)
+            parts[mode].append(split)
             tx[mode].append(t1x - t0x)
             rx[mode].append(r1x - r0x)
     for mode in modes:
@@ -215,7 +223,7 @@ def worker(cfg: dict) -> None:
             telemetry[mode] = {"bytes_sent": 0}
     mine = {"rank": rank, "hostname": socket.gethostname(),
             "host": os.environ.get("HOROVOD_HOSTNAME", ""), "times": times, "cpu": cpu,
-            "tx": tx, "rx": rx,
+            "parts": parts, "tx": tx, "rx": rx,
             "telemetry": telemetry, "params": n}
     if profiler is not None:
         profiler.dump_stats(cfg["out"] + ".prof")
@@ -305,6 +313,11 @@ def summarize(raw: dict, cfg: dict) -> dict:
         tx = [sum(r["tx"][mode][warm:]) / timed_steps for r in ranks]
         rx = [sum(r["rx"][mode][warm:]) / timed_steps for r in ranks]
         cpu = [sum(r["cpu"][mode][warm:]) / timed_steps for r in ranks]
+        # per rank: mean step time and its encode / decode / wait parts; the rest is compute
+        # (forward, backward, optimizer) and the exchange's bookkeeping
+        split = [[sum(p[i] for p in r["parts"][mode][warm:]) / timed_steps for i in range(3)]
+                 for r in ranks]
+        own = [sum(sum(b) for b in r["times"][mode][warm:]) / timed_steps for r in ranks]
         tel = ranks[0]["telemetry"][mode]
         q1, _, q3 = (statistics.quantiles(per_step, n=4, method="inclusive")
                      if len(per_step) > 1 else (per_step[0],) * 3)
@@ -314,6 +327,9 @@ def summarize(raw: dict, cfg: dict) -> dict:
                      "tx_mean": statistics.fmean(tx), "tx_max": max(tx),
                      "rx_mean": statistics.fmean(rx), "model_bytes": tel["bytes_sent"],
                      "cpu_mean": statistics.fmean(cpu),
+                     "breakdown": [{"step": t, "encode": e, "decode": d, "wait": w,
+                                    "other": t - e - d - w}
+                                   for t, (e, d, w) in zip(own, split)],
                      "telemetry": tel}
     return out
 
@@ -341,7 +357,26 @@ def format_config(res: dict, cfg: dict, hosts: int, rate: float) -> tuple[str, l
         ["mode", "median step (s)", "IQR (s)", "samples/s", "speedup vs fp32",
          "speedup vs fp16", "CPU s/step/rank", "measured MB sent/rank/step", "measured ÷ fp32",
          "expected MB/rank/step", "expected ÷ fp32"], rows)
-    return table, rows
+    return table + "\n\n" + format_breakdown(s, modes), rows
+
+
+def format_breakdown(summary: dict, modes: list[str]) -> str:
+    """Per rank, the packed modes' mean step split into encode, decode, waiting for the
+    collectives (the optimizer's own timers) and the rest (forward, backward, update)."""
+    rows = []
+    for mode in modes:
+        if not mode.startswith("alq"):
+            continue
+        for rank, b in enumerate(summary[mode]["breakdown"]):
+            rows.append([MODES[mode], str(rank), f"{b['step']:.3f}", f"{b['encode']:.3f}",
+                         f"{b['decode']:.3f}", f"{b['wait']:.3f}", f"{b['other']:.3f}"])
+    if not rows:
+        return ""
+    return ("Per-rank breakdown of the mean step (s): encode, decode + average, waiting for "
+            "the collectives (the packed optimizer's timers, `StepRecord.extra`), and the rest "
+            "(forward, backward, update, bookkeeping).\n\n" + report.markdown_table(
+                ["mode", "rank", "mean step", "encode", "decode", "wait", "compute + other"],
+                rows))
 
 
 def check_targets(results: list[dict], cfg: dict) -> list[str]:

@@ -94,6 +94,8 @@ def test_cluster_quick():
         pytest.skip(reason)
     text = run_quick("cluster", timeout=420)
     assert "✅ 2 hosts @ 100 Mbit/s, alq3_allgather" in text, text
+    breakdown = text.split("Per-rank breakdown")[1]   # encode / decode / wait per rank
+    assert "| horovod_aq ALQ 3-bit, packed, allgather | 1 |" in breakdown, text
     assert "❌" not in text.split("### Targets")[1], text
     # nothing left behind
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,

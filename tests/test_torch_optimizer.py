@@ -430,6 +430,9 @@ def test_telemetry_counts_payload_bytes(launch):
         assert t["numel"] == t["numel_quantized"] == n
         assert t["bytes_fp32"] == 4 * n                       # 2(P-1)/P·4n with P = 2
         assert 3.0 < t["bits_per_coordinate"] < 3.0 + 8 * (32 + 4 * 8) / BUCKET
+        # the step's own timers (benchmarks/cluster.py's per-rank breakdown)
+        assert t["extra"]["encode_s"] > 0 and t["extra"]["decode_s"] > 0
+        assert t["extra"]["wait_s"] >= 0
 
 
 def test_exchange_is_unbiased(launch):

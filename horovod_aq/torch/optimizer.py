@@ -78,6 +78,9 @@ from horovod_aq.torch import kernels
 from horovod_aq.torch.comm import comm_for
 
 logger = logging.getLogger(__name__)
+#: What the packed optimizer times per step (``StepRecord.extra[<name>_s]``): encoding the
+#: payloads, decoding and averaging them, and waiting for the collectives.
+TIMED = ("encode", "decode", "wait")
 #: Poll interval bounds (seconds) while waiting for a collective; see ``wait``.
 WAIT_POLL_MIN_S = 20e-6
 WAIT_POLL_MAX_S = 1e-3
@@ -141,6 +144,8 @@ class _PackedOptimizer(torch.optim.Optimizer):
         self._aq_skip = False
         self._aq_started: tuple[int, int] | None = None   # (step, code bits) of this exchange
         self._aq_traffic: dict[int, Traffic] = {}
+        #: Seconds this step spent encoding, decoding and waiting for collectives (telemetry).
+        self._aq_seconds = dict.fromkeys(TIMED, 0.0)
         _HorovodOptimizer.__init__(
             self, params, named_parameters, compression=hvd.Compression.none,
             backward_passes_per_step=backward_passes_per_step, op=Average,
@@ -226,17 +231,32 @@ class _PackedOptimizer(torch.optim.Optimizer):
                                   op=Average, process_set=self.process_set)
 
         def output() -> torch.Tensor:
-            out = wait(handle)
+            out = self._aq_wait(handle)
             self._aq_q.observe_aggregate(out)
             return out.to(dtype)
         return output
+
+    def _aq_wait(self, handle: Any) -> Any:
+        started = time.perf_counter()
+        out = wait(handle)
+        self._aq_seconds["wait"] += time.perf_counter() - started
+        return out
+
+    def _aq_decode(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        started = time.perf_counter()
+        out = fn(*args, dtype=torch.float32)
+        self._aq_seconds["decode"] += time.perf_counter() - started
+        return out
 
     def _aq_encode(self, x: torch.Tensor, bucket: _Bucket, part: int = 0) -> torch.Tensor:
         """Encode with the format's stream of (seed, rank, step, bucket, part) (docs/format.md §6):
         a resumed run draws exactly what an uninterrupted one would."""
         q = self._aq_q
         key = StreamKey(q.seed, self._aq_global_rank, q.step, bucket.index, part)
-        return kernels.encode(x, q.table, bucket_size=q.bucket_size, norm=q.norm, key=key)
+        started = time.perf_counter()
+        out = kernels.encode(x, q.table, bucket_size=q.bucket_size, norm=q.norm, key=key)
+        self._aq_seconds["encode"] += time.perf_counter() - started
+        return out
 
     def _aq_submit(self, bucket: _Bucket) -> None:
         q, P, ef = self._aq_q, self._aq_ranks, self._aq_memory
@@ -328,23 +348,23 @@ class _PackedOptimizer(torch.optim.Optimizer):
         """Move ``bucket`` one stage on, blocking on its collective."""
         table, P = self._aq_q.table, self._aq_ranks
         if bucket.stage == "a2a":
-            received = wait(bucket.handle)
+            received = self._aq_wait(bucket.handle)
             received = received[0] if isinstance(received, (tuple, list)) else received
             if self._aq_nonfinite(bucket, received.view(P, -1)):
                 return
-            chunk = kernels.decode_average(received.view(P, -1), table, dtype=torch.float32)
+            chunk = self._aq_decode(kernels.decode_average, received.view(P, -1), table)
             bucket.handle = allgather_async(self._aq_encode(chunk, bucket, P),
                                             name=names.allgather_name(bucket.name),
                                             process_set=self.process_set)
             bucket.stage = "ag2"
         elif bucket.stage in ("ag", "ag2"):
-            gathered = wait(bucket.handle).view(P, -1)
+            gathered = self._aq_wait(bucket.handle).view(P, -1)
             if bucket.stage == "ag" and self._aq_nonfinite(bucket, gathered):
                 return
             if bucket.stage == "ag":
-                bucket.result = kernels.decode_average(gathered, table, dtype=torch.float32)
+                bucket.result = self._aq_decode(kernels.decode_average, gathered, table)
             else:
-                parts = [kernels.decode(row, table, dtype=torch.float32) for row in gathered]
+                parts = [self._aq_decode(kernels.decode, row, table) for row in gathered]
                 bucket.result = torch.cat(parts)[:bucket.numel]
             self._aq_q.observe_aggregate(bucket.result)
             bucket.stage = "done"
@@ -375,12 +395,15 @@ class _PackedOptimizer(torch.optim.Optimizer):
         refitted = q.end_step(comm_for(self.process_set)) if q.quantizes else False
         if not q.quantizes:
             q.step += 1
+        seconds = {f"{k}_s": v for k, v in self._aq_seconds.items()}
+        self._aq_seconds = dict.fromkeys(TIMED, 0.0)
         if started is not None:
             step, bits = started
-            self._aq_telemetry.record(step_record(
-                self._aq, step=step, ranks=self._aq_ranks, bits=bits,
-                traffic=self._aq_traffic_at(bits), refitted=refitted,
-                skipped=int(self._aq_skip)))
+            rec = step_record(self._aq, step=step, ranks=self._aq_ranks, bits=bits,
+                              traffic=self._aq_traffic_at(bits), refitted=refitted,
+                              skipped=int(self._aq_skip))
+            rec.extra.update(seconds)
+            self._aq_telemetry.record(rec)
 
     def _aq_traffic_at(self, bits: int) -> Traffic:
         """What one exchange of this optimizer's plan sends at code width ``bits``."""
