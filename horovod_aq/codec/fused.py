@@ -171,13 +171,8 @@ def encode(
     section = buf[HEADER_SIZE:codes_offset]
     aligned = _LITTLE and section.ctypes.data % NORM_BYTES == 0
     norms = section.view(np.float32) if aligned else np.empty(nb, np.float32)
-    k0, k1, c1, c2, c3 = key.scalars()
-    status = -1
-    if n:
-        interior, padded, cells = _search_tables(levels, table.bits)
-        status = _encoder(table.bits)(
-            flat, flat.view(np.uint32), bucket_size, norm == "linf", interior, padded, cells,
-            k0, k1, c1, c2, c3, norms, buf[codes_offset:])
+    status = _run_encoder(flat, levels, table.bits, bucket_size, norm, key.scalars(), norms,
+                          buf[codes_offset:])
     if status >= 0:
         buf[:HEADER_SIZE] = 0  # never leave a valid-looking header over partial data
         fail()
@@ -187,25 +182,45 @@ def encode(
     return buf
 
 
+def _run_encoder(flat: np.ndarray, levels: np.ndarray, bits: int, bucket_size: int, norm: str,
+                 scalars: tuple, norms: np.ndarray, codes: np.ndarray) -> int:
+    """Run the compiled encoder (norms and codes written in place); -1, or the first element
+    of a non-finite value or an overflowing bucket norm."""
+    if not flat.size:
+        return -1
+    k0, k1, c1, c2, c3 = scalars
+    interior, padded, cells = _search_tables(levels, bits)
+    return _encoder(bits)(flat, flat.view(np.uint32), bucket_size, norm == "linf", interior,
+                          padded, cells, k0, k1, c1, c2, c3, norms, codes)
+
+
+def _run_decoder(rows: np.ndarray, levels: np.ndarray, numel: int, bits: int, bucket_size: int,
+                 divide: bool, result: np.ndarray) -> bool:
+    """Run the compiled decoder over rows [P, size] into ``result``; False if a norm is
+    negative or non-finite or a code lies beyond the table."""
+    codes_offset = HEADER_SIZE + NORM_BYTES * -(-numel // bucket_size)
+    norms = np.ascontiguousarray(rows[:, HEADER_SIZE:codes_offset])
+    norms = norms.view("<f4").astype(np.float32, copy=False)
+    if not np.all(np.isfinite(norms) & (norms >= 0)):
+        return False
+    lut = np.zeros(256, np.float32)
+    lut[: levels.size] = levels
+    rows = np.ascontiguousarray(rows)
+    return not numel or bool(_decoder(bits)(rows.reshape(-1), rows.shape[1], codes_offset, numel,
+                                            bucket_size, lut, levels.size, norms, divide,
+                                            result))
+
+
 def _decode_rows(rows: np.ndarray, header: Any, table: LevelTable, divide: bool,
                  out: Any, dtype: Any) -> np.ndarray | None:
     """Run the decode kernel on checked rows; None if a norm or a code is invalid."""
     n = header.numel
     result = np.empty(n, np.float32) if out is None else _check_out(out, n, np.float32, "decode")
-    norms = np.ascontiguousarray(rows[:, HEADER_SIZE:header.codes_offset])
-    norms = norms.view("<f4").astype(np.float32, copy=False)
-    if not np.all(np.isfinite(norms) & (norms >= 0)):
-        return None
     try:
         levels = float32_levels(table)
     except ValueError:
         return None  # the oracle raises it, after its own checks of the codes
-    lut = np.zeros(256, np.float32)
-    lut[: levels.size] = levels
-    rows = np.ascontiguousarray(rows)
-    if n and not _decoder(header.bits)(rows.reshape(-1), rows.shape[1], header.codes_offset, n,
-                                       header.bucket_size, lut, table.num_levels, norms,
-                                       divide, result):
+    if not _run_decoder(rows, levels, n, header.bits, header.bucket_size, divide, result):
         return None
     if out is None:
         return result.astype(dtype, copy=False)
@@ -284,15 +299,11 @@ def encode_with(x: Any, levels_f32: Any, header_u8: Any, *, bits: int, bucket_si
     codes_offset = HEADER_SIZE + NORM_BYTES * nb
     buf = np.empty(payload_size(n, bits, bucket_size), np.uint8)
     norms = np.empty(nb, np.float32)
-    if n:
-        k0, k1, c1, c2, c3 = key_scalars(key)
-        interior, padded, cells = _search_tables(levels, bits)
-        status = _encoder(bits)(flat, flat.view(np.uint32), bucket_size, norm == "linf",
-                                interior, padded, cells, k0, k1, c1, c2, c3, norms,
-                                buf[codes_offset:])
-        if status >= 0:
-            raise ValueError("horovod_aq: the fused encoder met a non-finite value or a bucket "
-                             f"norm beyond float32 at element {status}")
+    status = _run_encoder(flat, levels, bits, bucket_size, norm, key_scalars(key), norms,
+                          buf[codes_offset:])
+    if status >= 0:
+        raise ValueError("horovod_aq: the fused encoder met a non-finite value or a bucket "
+                         f"norm beyond float32 at element {status}")
     buf[:HEADER_SIZE] = np.asarray(header_u8, dtype=np.uint8)
     buf[HEADER_SIZE:codes_offset] = norms.astype("<f4").view(np.uint8)
     return buf
@@ -304,16 +315,9 @@ def decode_average_with(rows: Any, levels_f32: Any, *, numel: int, bits: int,
     (``horovod_aq.tensorflow.checks``), with the float32 levels of a graph variable. A row with
     an invalid norm or code raises ValueError."""
     rows = np.ascontiguousarray(rows, dtype=np.uint8)
-    levels = np.asarray(levels_f32, dtype=np.float32)
     result = np.empty(numel, np.float32)
-    nb = -(-numel // bucket_size)
-    codes_offset = HEADER_SIZE + NORM_BYTES * nb
-    norms = rows[:, HEADER_SIZE:codes_offset].copy().view("<f4").astype(np.float32, copy=False)
-    lut = np.zeros(256, np.float32)
-    lut[: levels.size] = levels
-    if numel and not (np.all(np.isfinite(norms) & (norms >= 0)) and _decoder(bits)(
-            rows.reshape(-1), rows.shape[1], codes_offset, numel, bucket_size, lut,
-            levels.size, norms, True, result)):
+    if not _run_decoder(rows, np.asarray(levels_f32, dtype=np.float32), numel, bits,
+                        bucket_size, True, result):
         raise ValueError("horovod_aq: a gathered payload holds a negative or non-finite norm or "
                          "a code beyond the level table")
     return result
