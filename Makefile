@@ -1,5 +1,6 @@
 # horovod_aq — the two commands README.md starts with, and a few more.
-#   make demo   set up what is missing, then train the PyTorch example on 2 local ranks
+#   make demo   set up what is missing, then train the PyTorch example on 2 local ranks, fp32
+#               and ALQ 3-bit from one seed; prints both accuracies and the byte ratio
 #   make test   set up what is missing, then run the whole test suite
 VENV      ?= .venv
 PY        := $(VENV)/bin/python

@@ -10,15 +10,16 @@ setup step installs it with apt-get when missing), the ``SmallCNN`` of ``benchma
 batch 128), SGD with momentum 0.9, learning rate ``--lr`` constant, for ``--epochs`` epochs.
 
 **Configurations.** fp32, fp16, and each quantizer at 3 bits — QSGD, QSGDinf, NUQSGD, TernGrad
-(always ternary), natural dithering, ALQ, ALQ-N, ALQ-G, AMQ, AMQ-N — plus ALQ and QSGDinf at 2
-bits. **Every configuration, fp32 and fp16 included, runs through the packed optimizer**
-``horovod_aq.torch.DistributedOptimizer`` (exchange="auto"): quantizers send bit-packed codes,
-fp32 and fp16 go through its named Horovod allreduce (``horovod_aq.NoCompression`` /
-``horovod_aq.FP16``), so all rows share one code path and one telemetry (bits per coordinate,
-bytes sent per step). Every quantizer uses the same bucket size ``--bucket-size`` (default 1024,
-the package's default for the adaptive methods and close to the fixed methods' 512; the ALQ
-paper used 8192 — ``variance.py`` measures both, and ``--bucket-size 8192`` reruns this at the
-paper's setting). Adaptive methods use their default fitting model (the gradient histogram for
+(always ternary), natural dithering, ALQ, ALQ-N, ALQ-G, AMQ, AMQ-N — plus ALQ, AMQ and QSGDinf at 2
+bits, ALQ at 2 bits with the paper's L2 bucket norm ("(L2)") and at 3 bits with L∞ ("(L∞)"): the
+adaptive methods' default is L∞ up to 2 bits and L2 from 3 bits, docs/quantizers.md §5.6. **Every configuration, fp32 and fp16 included, runs through the
+packed optimizer** ``horovod_aq.torch.DistributedOptimizer`` (exchange="auto"): quantizers send
+bit-packed codes, fp32 and fp16 go through its named Horovod allreduce (``horovod_aq.NoCompression``
+/ ``horovod_aq.FP16``), so all rows share one code path and one telemetry (bits per coordinate,
+bytes sent per step). Every quantizer uses the same bucket size ``--bucket-size`` (default 1024, the
+package's default for the adaptive methods and close to the fixed methods' 512; the ALQ paper used
+8192 — ``variance.py`` measures both, and ``--bucket-size 8192`` reruns this at the paper's
+setting). Adaptive methods use their default fitting model (the gradient histogram for
 ALQ/ALQ-G/AMQ, one pooled truncated normal for ALQ-N/AMQ-N) and refit on their default schedule
 (steps 0, 100, 2000, …).
 
@@ -49,20 +50,22 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import report
 
-#: (label, method, bits) of the full benchmark, in table order.
+#: (label, method, bits, other compressor arguments) of the full benchmark, in table order.
 CONFIGS = (
-    ("fp32", "none", 32), ("fp16", "fp16", 16),
-    ("QSGD 3b", "qsgd", 3), ("QSGDinf 3b", "qsgdinf", 3), ("NUQSGD 3b", "nuqsgd", 3),
-    ("TernGrad", "terngrad", 2), ("natural 3b", "natural", 3),
-    ("ALQ 3b", "alq", 3), ("ALQ-N 3b", "alqn", 3), ("ALQ-G 3b", "alqg", 3),
-    ("AMQ 3b", "amq", 3), ("AMQ-N 3b", "amqn", 3),
-    ("ALQ 2b", "alq", 2), ("QSGDinf 2b", "qsgdinf", 2),
+    ("fp32", "none", 32, {}), ("fp16", "fp16", 16, {}),
+    ("QSGD 3b", "qsgd", 3, {}), ("QSGDinf 3b", "qsgdinf", 3, {}), ("NUQSGD 3b", "nuqsgd", 3, {}),
+    ("TernGrad", "terngrad", 2, {}), ("natural 3b", "natural", 3, {}),
+    ("ALQ 3b", "alq", 3, {}), ("ALQ-N 3b", "alqn", 3, {}), ("ALQ-G 3b", "alqg", 3, {}),
+    ("AMQ 3b", "amq", 3, {}), ("AMQ-N 3b", "amqn", 3, {}),
+    ("ALQ 3b (L∞)", "alq", 3, {"norm": "linf"}),
+    ("ALQ 2b", "alq", 2, {}), ("AMQ 2b", "amq", 2, {}), ("ALQ 2b (L2)", "alq", 2, {"norm": "l2"}),
+    ("QSGDinf 2b", "qsgdinf", 2, {}),
 )
 QUICK_CONFIGS = ("fp32", "QSGDinf 3b", "ALQ 3b")
 
 
 def train_config(label: str, method: str, bits: int, seed: int, epochs: float, lr: float,
-                 batch: int, bucket_size: int | None) -> dict:
+                 batch: int, bucket_size: int | None, options: dict | None = None) -> dict:
     """Runs in every rank: train one configuration from scratch, evaluate on the test set."""
     import horovod.torch as hvd
     import numpy as np
@@ -84,7 +87,7 @@ def train_config(label: str, method: str, bits: int, seed: int, epochs: float, l
     xs, ys = torch.from_numpy(shard.images), torch.from_numpy(shard.labels)
     torch.manual_seed(seed)
     model = SmallCNN()
-    kwargs = {"seed": seed, "name": f"acc.{label.replace(' ', '_')}.s{seed}"}
+    kwargs = {"seed": seed, "name": f"acc.{_slug(label)}.s{seed}", **(options or {})}
     if method not in ("none", "fp16"):
         kwargs["bits"] = bits
         if bucket_size:
@@ -140,11 +143,16 @@ def train_config(label: str, method: str, bits: int, seed: int, epochs: float, l
             "table_version": comp.table.version if comp.quantizes else None}
 
 
+def _slug(label: str) -> str:
+    """``label`` as a name: "ALQ 2b (L2)" → "ALQ_2b_L2"."""
+    return label.replace(" ", "_").replace("(", "").replace(")", "")
+
+
 def _named(label: str, seed: int):
     """A uniquely named function per configuration (run_local keys checks by name)."""
     def check(**kwargs):
         return train_config(**kwargs)
-    check.__qualname__ = check.__name__ = f"{label.replace(' ', '_')}_seed{seed}"
+    check.__qualname__ = check.__name__ = f"{_slug(label)}_seed{seed}"
     check.__module__ = __name__
     return check
 
@@ -230,11 +238,11 @@ def main(argv=None) -> int:
         checks = [(_named(label, seed),
                    {"label": label, "method": method, "bits": bits, "seed": seed,
                     "epochs": epochs, "lr": args.lr, "batch": args.batch,
-                    "bucket_size": args.bucket_size or None})
-                  for label, method, bits in args.configs]
+                    "bucket_size": args.bucket_size or None, "options": options})
+                  for label, method, bits, options in args.configs]
         t0 = time.monotonic()
         launch = run_local(checks, np=args.np, controller=args.controller, timeout=args.timeout)
-        for check, (label, _, _) in zip(checks, args.configs):
+        for check, (label, *_) in zip(checks, args.configs):
             results[label].append(launch.get(check[0])[0])
         print(f"seed {seed}: {len(checks)} configurations in {time.monotonic() - t0:.0f} s",
               file=sys.stderr, flush=True)

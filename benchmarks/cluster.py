@@ -12,7 +12,12 @@ started by the real multi-host path, ``horovodrun -np N -H addr1:1,…,addrN:1 -
 --network-interface IFACE``, through a stand-in ``ssh`` that enters the host's namespace (and
 its own UTS namespace with the host's name). Gradient traffic therefore only crosses the shaped
 links between the namespaces this script created; everything is torn down at exit, also on
-failure and on SIGINT/SIGTERM. Needs root (refuses to run otherwise).
+failure and on SIGINT/SIGTERM. Needs root (refuses to run otherwise). Where bridged traffic
+passes iptables (``net.bridge.bridge-nf-call-iptables = 1``) — e.g. next to a running dockerd,
+which sets the FORWARD policy to DROP — the cluster adds ``iptables -I FORWARD -i BR -o BR -j
+ACCEPT`` for its own bridge (nf_tables and/or legacy backend) and deletes it on teardown; a
+2-host connection test right after the build stops the run with a clear message if the hosts
+still cannot reach each other.
 
 **Workload.** Every rank trains an MLP (default 784→4096→1536→10, ≈9.5M parameters, 38 MB of
 fp32 gradient) on synthetic data, batch 32 per rank, plain SGD with momentum, one thread per
@@ -570,6 +575,9 @@ def main(argv=None) -> int:
                         m = res["summary"][mode]
                         print(f"  {mode:16s} {m['median']:.3f} s/step, "
                               f"{m['tx_mean'] / 1e6:.2f} MB sent/rank/step", file=sys.stderr)
+    except netns.ClusterError as exc:
+        print(f"emulated cluster failed: {exc}", file=sys.stderr)
+        return 2
     finally:
         import shutil
 

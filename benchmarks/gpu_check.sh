@@ -20,4 +20,5 @@ start=$SECONDS
 "$PYTHON" -m pytest tests/test_triton_kernels.py -q -p no:cacheprovider
 echo "tests: $((SECONDS - start)) s"
 "$PYTHON" benchmarks/gpu_check.py --out "${1:-benchmarks/results/gpu.md}"
+"$PYTHON" benchmarks/gpu_check_ddp.py --out benchmarks/results/gpu_ddp.md
 echo "total: $((SECONDS - start)) s"

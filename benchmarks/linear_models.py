@@ -29,8 +29,10 @@ uniform table U-ref, 2^b zero-free levels ℓ_k = −1 + 2k/(2^b − 1), each bu
 coordinates scaled by its L2 norm, unbiased stochastic rounding. b = 1 is the two-level table
 {−1, +1}·‖v‖₂ (normalized variance Σ_i (1 − r_i²) ≈ 63 per 64-bucket). ECQ-SGD
 (``horovod_aq.ECQ(QSGD(...), alpha=α, beta=β)``) keeps per worker
-h_p ← β·h_p + (g_p − Q(g_p + α·h_p)) and sends Q(g_p + α·h_p); α = 0.2, β = 0.9 are the
-package defaults (HiPress's choice; the paper's own values could not be checked, spec §2.4).
+h_p ← β·h_p + (g_p − Q(g_p + α·h_p)) and sends Q(g_p + α·h_p); α = 0.2, β = 0.9 (``--alpha``,
+``--beta``) are HiPress's values, the package defaults before they were derived from the
+quantizer's γ (the paper's own values could not be checked, spec §2.4;
+``benchmarks/ecq_stability.py`` compares them with the current defaults).
 Classic error feedback (α = β = 1) at 2 bits is run too, as a stability check (spec §2.3:
 needs α²γ + (β − α)² < 1 with γ the quantizer's relative variance).
 

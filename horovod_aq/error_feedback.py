@@ -6,9 +6,22 @@ bucket (h_p = 0 at the start). At each step:
     g̃_p = Q( g_p + α·h_p )          quantize the compensated gradient; g̃_p is what is sent
     h_p ← β·h_p + ( g_p − g̃_p )     accumulate the error of the *raw* gradient (no α·h term)
 
-With α = β = 1 this is classic error feedback, e ← (g + e) − Q(g + e). The defaults α = 0.2,
-β = 0.9 are the HiPress system's choice (docs/dynamic.md §2.4); quantizers with a large relative
-variance need small α (stability: α²γ + (β − α)² < 1, §2.3).
+With α = β = 1 this is classic error feedback, e ← (g + e) − Q(g + e).
+
+Default coefficients (docs/dynamic.md §2.4), from the relative variance of the wrapped quantizer's
+tables (γ: E‖Q(v) − v‖² = γ·‖v‖²; ``levels.variance``, docs/quantizers.md §6.1):
+
+    β = 0.9,   α = min( β/(1 + γ_G), 2β/(1 + γ_sup) )
+
+γ_G is γ for a bucket of i.i.d. normal coordinates, γ_sup its supremum over all buckets (both the
+largest over the widths the quantizer may send). β/(1 + γ) minimizes the contraction factor
+λ = α²γ + (β − α)² of the memory (§2.3), to λ = β²γ/(1 + γ), and λ(γ) ≤ β² = 0.81 exactly when
+α ≤ 2β/(1 + γ): so with these defaults λ ≤ 0.81 < 1 for every gradient, whatever its shape.
+They are computed once, at construction, from the tables the quantizer starts with (an adaptive
+quantizer's prior fit) and stay fixed: refits do not change them, so every rank, every traced
+graph and every checkpoint holds the same two numbers (rounded down to 4 significant digits).
+Explicit ``alpha=``/``beta=`` are used as given; a pair with λ ≥ 1 for Gaussian buckets is warned
+about at construction.
 
 Composition, as GRACE's Compressor/Memory split and PowerSGD's ``error_dict``:
 :class:`ErrorMemory` holds h and the two rules; :class:`ErrorFeedback` is what users pass as
@@ -42,29 +55,44 @@ import numpy as np
 
 from horovod_aq.backend import backend_for
 from horovod_aq.compressors.base import Compressor, describe_fingerprint, settings_fingerprint
+from horovod_aq.levels.variance import gaussian_prior, relative_variance, worst_relative_variance
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ALPHA = 0.2
+#: β of the default coefficients (the HiPress system's value, docs/dynamic.md §2.4).
 DEFAULT_BETA = 0.9
-#: Warn when the memory grows beyond this multiple of the gradient (unstable α, β; §2.3).
+#: α of the HiPress system (the package default before it was derived from γ). An
+#: :class:`ErrorMemory` built without a quantizer still uses it.
+HIPRESS_ALPHA = 0.2
+#: Warn when the memory grows beyond this multiple of its expected size (the model's stationary
+#: ‖h‖/‖g‖ = √(γ/(1 − λ)), at least 1) times the gradient (unstable α, β; §2.3).
 DIVERGENCE_RATIO = 10.0
 #: Updates of one memory between two divergence checks (each check reads two norms).
 CHECK_EVERY = 50
 
 
+def _coefficient(name: str, value: Any) -> float:
+    """``value`` as a float in [0, 1] (ValueError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
+            or not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return float(value)
+
+
 class ErrorMemory:
     """The per-bucket error memory h of one rank and the two ECQ-SGD rules."""
 
-    def __init__(self, *, alpha: float = DEFAULT_ALPHA, beta: float = DEFAULT_BETA,
-                 reset_on_nonfinite: bool = True, name: str = "ecq") -> None:
-        for arg, value in (("alpha", alpha), ("beta", beta)):
-            if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-                raise ValueError(f"{arg} must be in [0, 1], got {value}")
-        self.alpha = float(alpha)
-        self.beta = float(beta)
+    def __init__(self, *, alpha: float = HIPRESS_ALPHA, beta: float = DEFAULT_BETA,
+                 reset_on_nonfinite: bool = True, name: str = "ecq",
+                 expected_ratio: float = 1.0, gamma: float | None = None) -> None:
+        self.alpha = _coefficient("alpha", alpha)
+        self.beta = _coefficient("beta", beta)
         self.reset_on_nonfinite = reset_on_nonfinite
         self.name = name
+        #: The model's stationary ‖h‖/‖g‖ (scales the divergence check; §2.3).
+        self.expected_ratio = max(1.0, float(expected_ratio))
+        #: The quantizer's γ for Gaussian buckets, named in the divergence warning (None: unknown).
+        self.gamma = gamma
         #: Bucket name → h (a tensor of the gradient's framework, or a TF variable).
         self.memory: dict[str, Any] = {}
         self._pending: dict[str, np.ndarray] = {}
@@ -98,13 +126,15 @@ class ErrorMemory:
         if count % CHECK_EVERY == 0 and not self._warned_divergence:
             h_norm = math.sqrt(backend.sum_of_squares(new))
             g_norm = math.sqrt(backend_for(x).sum_of_squares(x))
-            if g_norm > 0 and h_norm > DIVERGENCE_RATIO * g_norm:
+            if g_norm > 0 and h_norm > DIVERGENCE_RATIO * self.expected_ratio * g_norm:
                 self._warned_divergence = True
+                gamma = "" if self.gamma is None else f", about {self.gamma:.3g} here"
                 logger.warning(
                     "%s: error memory %r is %.0fx the gradient: error feedback is unstable for "
                     "this quantizer (needs alpha^2*gamma + (beta-alpha)^2 < 1, gamma = its "
-                    "relative variance); lower alpha and use beta close to alpha",
-                    self.name, key, h_norm / g_norm)
+                    "relative variance%s; alpha=%g, beta=%g); lower alpha and use beta close to "
+                    "alpha, or leave both to the defaults", self.name, key, h_norm / g_norm,
+                    gamma, self.alpha, self.beta)
 
     def saved(self, key: str, like: Any) -> Any:
         """The memory of ``key``: in use, or loaded from a checkpoint when its shape matches
@@ -147,8 +177,50 @@ class ErrorMemory:
         self._pending = {k: np.asarray(v, dtype=np.float32) for k, v in memory.items()}
 
 
+def quantizer_gammas(quantizer: Compressor) -> tuple[float, float]:
+    """(γ_G, γ_sup) of the tables ``quantizer`` starts with (docs/quantizers.md §6.1): the relative
+    variance E‖Q(v) − v‖²/‖v‖² for a bucket of i.i.d. normal coordinates and its supremum over
+    all buckets, each the largest over the widths it may send (DQSGD: every width's table), for
+    its bucket size and norm. Adaptive quantizers count with their prior fit (quantizers.md
+    §2.5)."""
+    b, norm = quantizer.bucket_size, quantizer.norm
+    prior = gaussian_prior(b, norm)
+    gaussian, worst = [], []
+    for comp in quantizer.tables_by_width().values():
+        levels = comp.initial_levels()
+        gaussian.append(relative_variance(levels, prior))
+        worst.append(worst_relative_variance(levels, b, norm))
+    return max(gaussian), max(worst)
+
+
+def _round_down(x: float, digits: int = 4) -> float:
+    """x rounded down to ``digits`` significant digits (a short, platform-independent value)."""
+    if not x > 0.0:
+        return 0.0
+    e = math.floor(math.log10(x)) - (digits - 1)
+    return float(f"{math.floor(x / 10.0**e * (1 + 1e-12))}e{e}")
+
+
+def default_alpha(gamma: float, gamma_sup: float, beta: float = DEFAULT_BETA) -> float:
+    """α = min(β/(1 + γ_G), 2β/(1 + γ_sup)) (docs/dynamic.md §2.4), rounded down to 4 digits.
+
+    β/(1 + γ) minimizes λ = α²γ + (β − α)²; α ≤ 2β/(1 + γ_sup) keeps λ ≤ β² for every bucket."""
+    return _round_down(min(beta / (1.0 + gamma), 2.0 * beta / (1.0 + gamma_sup)))
+
+
+def contraction(alpha: float, beta: float, gamma: float) -> float:
+    """λ = α²γ + (β − α)²: the factor by which E‖h‖² contracts per step (docs/dynamic.md §2.3)."""
+    return alpha * alpha * gamma + (beta - alpha) ** 2
+
+
 class ErrorFeedback:
-    """``ErrorFeedback(inner, alpha=0.2, beta=0.9)`` (alias ``ECQ``): ECQ-SGD around ``inner``.
+    """``ErrorFeedback(inner)`` (alias ``ECQ``): ECQ-SGD around ``inner``.
+
+    ``alpha``, ``beta``: the compensation and decay coefficients. Left out (None), β = 0.9 and
+    α = min(β/(1 + γ_G), 2β/(1 + γ_sup)) from ``inner``'s relative variance
+    (:func:`quantizer_gammas`; docs/dynamic.md §2.4), so that λ = α²γ + (β − α)² ≤ β² < 1 for
+    every gradient. Given, they are used as they are. The two numbers are fixed at construction
+    and are part of :meth:`config` and :meth:`state_dict`.
 
     Everything about the quantizer (levels, bits, refits, random streams) is ``inner``'s
     (:attr:`quantizer`); this object adds an :class:`ErrorMemory` (:attr:`error_memory`).
@@ -160,17 +232,33 @@ class ErrorFeedback:
     dynamic_width = False
     fp16_wire = False
 
-    def __init__(self, inner: Compressor, *, alpha: float = DEFAULT_ALPHA,
-                 beta: float = DEFAULT_BETA, reset_on_nonfinite: bool = True) -> None:
+    def __init__(self, inner: Compressor, *, alpha: float | None = None,
+                 beta: float | None = None, reset_on_nonfinite: bool = True) -> None:
         if isinstance(inner, ErrorFeedback):
             raise ValueError("ErrorFeedback cannot wrap another ErrorFeedback")
         if not isinstance(inner, Compressor) or not inner.quantizes:
             raise ValueError("ErrorFeedback wraps a quantizing horovod_aq compressor, e.g. "
                              f"ErrorFeedback(horovod_aq.QSGD(bits=2)); got {inner!r}")
         self.inner = inner
-        self.error_memory = ErrorMemory(alpha=alpha, beta=beta,
-                                        reset_on_nonfinite=reset_on_nonfinite,
-                                        name=f"ecq.{inner.name}")
+        #: γ_G, γ_sup of ``inner``'s starting tables (:func:`quantizer_gammas`).
+        self.gamma, self.gamma_sup = quantizer_gammas(inner)
+        #: Whether α was derived from γ (``alpha`` left out).
+        self.alpha_from_gamma = alpha is None
+        beta = _coefficient("beta", DEFAULT_BETA if beta is None else beta)
+        alpha = (default_alpha(self.gamma, self.gamma_sup, beta) if alpha is None
+                 else _coefficient("alpha", alpha))
+        lam = contraction(alpha, beta, self.gamma)
+        self.error_memory = ErrorMemory(
+            alpha=alpha, beta=beta, reset_on_nonfinite=reset_on_nonfinite,
+            name=f"ecq.{inner.name}", gamma=self.gamma,
+            expected_ratio=math.sqrt(self.gamma / (1.0 - lam)) if lam < 1.0 else 1.0)
+        if lam >= 1.0:
+            logger.warning(
+                "%s: alpha=%g, beta=%g give alpha^2*gamma + (beta-alpha)^2 = %.3g >= 1 with "
+                "gamma = %.3g (this quantizer, Gaussian buckets): the error memory is expected to "
+                "grow without bound. The defaults (alpha and beta left out) would be alpha=%g, "
+                "beta=%g", self.name, alpha, beta, lam, self.gamma,
+                default_alpha(self.gamma, self.gamma_sup), DEFAULT_BETA)
         self.dynamic_width = inner.dynamic_width
 
     def __getattr__(self, name: str) -> Any:
@@ -235,9 +323,11 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mem = self.error_memory
         if (state.get("alpha"), state.get("beta")) != (mem.alpha, mem.beta):
-            raise ValueError(f"state_dict has alpha={state.get('alpha')}, "
-                             f"beta={state.get('beta')}; "
-                             f"this ErrorFeedback has alpha={mem.alpha}, beta={mem.beta}")
+            raise ValueError(
+                f"state_dict has alpha={state.get('alpha')}, beta={state.get('beta')}; this "
+                f"ErrorFeedback has alpha={mem.alpha}, beta={mem.beta}. Build it with the saved "
+                "values (ErrorFeedback(inner, alpha=..., beta=...)); states saved before the "
+                "defaults were derived from the quantizer have alpha=0.2, beta=0.9")
         self.inner.load_state_dict(state["inner"])
         mem.load_local_state(state.get("memory", {}))
 

@@ -30,14 +30,22 @@ class RefitSchedule:
     every: int | None = DEFAULT_EVERY
 
     def __post_init__(self) -> None:
-        steps = tuple(sorted({int(s) for s in self.steps}))
-        if any(s < 0 for s in steps):
-            raise ValueError(f"refit steps must be >= 0, got {self.steps}")
-        if self.every is not None and int(self.every) <= 0:
-            raise ValueError(f"refit period 'every' must be a positive integer or None, "
-                             f"got {self.every}")
+        # checked, never truncated (every=2.5 is refused, not read as 2)
+        from horovod_aq.compressors.arguments import SettingTypeError, integer
+
+        if isinstance(self.steps, (str, bytes)) or not hasattr(self.steps, "__iter__"):
+            raise SettingTypeError(
+                f"steps must be a sequence of integers >= 0 (the refit steps), got "
+                f"{self.steps!r} ({type(self.steps).__name__}); RefitSchedule.parse reads the "
+                '"0,100,2000,10000" string form')
+        steps = tuple(sorted({integer("steps", s, 0,
+                                      allowed=">= 0 (integers: the refit steps)")
+                              for s in self.steps}))
+        every = None if self.every is None else integer(
+            "every", self.every, 1,
+            allowed="a positive integer (the refit period in steps) or None (no period)")
         object.__setattr__(self, "steps", steps)
-        object.__setattr__(self, "every", None if self.every is None else int(self.every))
+        object.__setattr__(self, "every", every)
 
     def due(self, step: int) -> bool:
         """Whether a refit happens at (the end of) global step ``step``."""

@@ -9,6 +9,7 @@ noise, the wire saves 2x. The framework modules (``horovod_aq.torch.stock``,
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 #: Largest finite fp16 value: an fp16 sum over the ranks must stay below it.
@@ -31,6 +32,22 @@ def route(compression: Any, framework: str) -> str:
     return "quantize"
 
 
+def wire_scale(compression: Any) -> float:
+    """The power of two c that the stock path multiplies dequantized values by before the fp16
+    cast (and divides the average by after it); the same on every rank.
+
+    A dequantized value is ℓ·‖v‖ with |ℓ| ≤ 1 (docs/quantizers.md §1). With the l2 norm
+    ‖v‖₂ ≤ √B·max|v_i|, so q can be √B times the largest coordinate, and an fp16 sum would
+    overflow at gradients √B times smaller than Horovod's own fp16 carries. With
+    c = 2^−⌈log₂ √B⌉ ≤ 1/√B, |c·q| ≤ max|v_i|: the wire has Horovod's fp16 range. With the linf
+    norm |q| ≤ max|v_i| already and c = 1. A power of two rescales fp16 values exactly (short of
+    the subnormal range).
+    """
+    if compression.norm != "l2":
+        return 1.0
+    return 2.0 ** -math.ceil(0.5 * math.log2(compression.bucket_size))
+
+
 def exceeds_fp16(peak: float, world: int) -> bool:
     """Whether an fp16 sum of ``world`` values of magnitude ``peak`` can overflow."""
     return peak * world > FP16_MAX
@@ -38,9 +55,10 @@ def exceeds_fp16(peak: float, world: int) -> bool:
 
 def fp16_range_message(compression: Any, framework: str, peak: float | None = None) -> str:
     value = "" if peak is None else f" ({peak:.3g})"
-    return (f"{compression.name}: a quantized gradient value{value} times the number of ranks "
-            f"exceeds the fp16 range ({FP16_MAX}) of the stock compression= path; scale the "
-            f"loss down or use {PACKED_API[framework]} (packed exchange, fp32 norms)")
+    return (f"{compression.name}: a quantized gradient value{value} (scaled for the wire) times "
+            f"the number of ranks exceeds the fp16 range ({FP16_MAX}) of the stock compression= "
+            f"path, as hvd.Compression.fp16 would; scale the loss down or use "
+            f"{PACKED_API[framework]} (packed exchange, fp32 norms)")
 
 
 def nonfinite_message(compression: Any, shape: Any, framework: str) -> str:

@@ -5,13 +5,17 @@ checks that it wrote a fresh ``benchmarks/results/quick/<name>.md`` holding a Ma
 (and its PNG). The quick modes measure plumbing, not speed: their numbers are not asserted,
 except the cluster benchmark's byte ratio (the packed 3-bit exchange must send at most 1/8 of
 fp32 allreduce's bytes by telemetry) and the linear-model benchmark's ordering (ECQ-SGD ends
-below plain 2-bit QSGD; its runs are seeded and deterministic).
+below plain 2-bit QSGD; its runs are seeded and deterministic). One more cluster test checks,
+in a private network namespace made to look like a Docker host (FORWARD policy DROP), that the
+emulated cluster opens forwarding on its own bridge only and removes the rule on teardown.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -102,6 +106,90 @@ def test_cluster_quick():
                           check=False).stdout
     mine = [ln for ln in left.splitlines() if ln.startswith(netns.TAG_PREFIX)]
     assert not any(_owner_gone(ln) for ln in mine), f"namespaces left behind: {mine}"
+
+
+#: Run in a private network namespace (``unshare --net``) made to look like a Docker host:
+#: the backend's FORWARD policy DROP (what dockerd sets) with bridged traffic passing iptables.
+_DOCKER_LIKE = r"""
+import json, shutil, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from benchmarks import netns
+
+binary, kind = shutil.which(sys.argv[2]), sys.argv[3]
+if not netns.bridge_traffic_filtered():
+    print(json.dumps({"skip": "net.bridge.bridge-nf-call-iptables is not 1 in a new network "
+                              "namespace (br_netfilter not loaded)"}))
+    sys.exit(0)
+subprocess.run([binary, "-P", "FORWARD", "DROP"], check=True)
+
+def chain():
+    return subprocess.run([binary, "-S", "FORWARD"], capture_output=True, text=True,
+                          check=True).stdout.splitlines()
+
+out = {"backends": netns.iptables_backends()}
+# 1. the failure this fixes: without the rule the hosts cannot reach each other
+real_add = netns.add_forward_rules
+netns.add_forward_rules = lambda bridge: ([], [])
+try:
+    netns.EmulatedCluster(2, 100).close()
+    out["without_rule"] = "built"
+except netns.ClusterError as exc:
+    out["without_rule"] = str(exc)
+# 2. no iptables binary: no rule, and the error says so
+real_which = shutil.which
+netns.add_forward_rules = real_add
+netns.shutil.which = lambda name: None if "iptables" in name else real_which(name)
+try:
+    netns.EmulatedCluster(2, 100).close()
+    out["no_binary"] = "built"
+except netns.ClusterError as exc:
+    out["no_binary"] = str(exc)
+netns.shutil.which = real_which
+out["after_failures"] = chain()
+# 3. the fix: the rule while the cluster exists, none after; the policy untouched
+with netns.EmulatedCluster(2, 100) as c:
+    out.update(tag=c.tag, firewall=c.firewall, during=chain(), connect=c.check_connectivity(),
+               describe=c.describe())
+out["after"] = chain()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("kind", ["nft", "legacy"])
+def test_cluster_accepts_its_bridge_where_docker_drops_forwarding(kind):
+    """On a Docker host (FORWARD policy DROP, net.bridge.bridge-nf-call-iptables = 1) the
+    emulated cluster inserts `-I FORWARD 1 -i BR -o BR -j ACCEPT` for its own bridge, so the
+    hosts reach each other, and deletes it on teardown. Emulated in a private network namespace
+    (iptables state is per namespace), so the machine's own firewall is not touched."""
+    from benchmarks import netns
+
+    binary = f"iptables-{kind}"
+    if os.geteuid() != 0:
+        pytest.skip("the emulated cluster needs root (network namespaces, bridge, iptables)")
+    if shutil.which(binary) is None:
+        pytest.skip(f"{binary} not installed (Debian package iptables)")
+    reason = netns.check_requirements()
+    if reason:
+        pytest.skip(reason)
+    proc = subprocess.run(["unshare", "--net", sys.executable, "-c", _DOCKER_LIKE, str(ROOT),
+                           binary, kind], capture_output=True, text=True, timeout=180,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    assert out["backends"] == [[shutil.which(binary), kind]], out
+    assert "cannot reach each other" in out["without_rule"], out
+    assert "FORWARD policy to DROP" in out["without_rule"], out
+    assert "no iptables binary was found" in out["no_binary"], out
+    assert out["after_failures"] == ["-P FORWARD DROP"], out      # failed builds left nothing
+    tag = out["tag"]
+    rule = f"-A FORWARD -i {tag} -o {tag} -j ACCEPT"
+    assert out["firewall"] == [kind], out
+    assert out["during"] == ["-P FORWARD DROP", rule], out         # first, and only this bridge
+    assert out["connect"] is None, out
+    assert "FORWARD rule added for the run" in out["describe"], out
+    assert out["after"] == ["-P FORWARD DROP"], out                # removed; policy untouched
 
 
 def _owner_gone(line: str) -> bool:

@@ -276,15 +276,25 @@ def test_decode_average_sums_sequentially_in_rank_order():
     table, n, bucket = uniform_table(3), 999, 100
     payloads = np.stack([codec.encode(gradient(n, seed=p), table, bucket_size=bucket, seed=p)
                          for p in range(5)])
-    acc = codec.decode(payloads[0], table)
-    for p in range(1, 5):
-        acc = acc + codec.decode(payloads[p], table)
-    expected = acc / np.float32(5)
+    acc = codec.decode(payloads[0], table) / np.float32(5)
+    for p in range(1, 5):   # each row divided by P before it is added (no overflow)
+        acc = acc + codec.decode(payloads[p], table) / np.float32(5)
+    expected = acc
     got = codec.decode_average(payloads, table)
     assert np.array_equal(bits_of(got), bits_of(expected))
     assert np.array_equal(codec.decode_average(payloads[:1], table), codec.decode(payloads[0],
                                                                                   table))
     assert codec.decode_average(list(payloads), table, dtype=np.float64).dtype == np.float64
+
+
+def test_decode_average_of_huge_rows_stays_finite():
+    """Rows near the float32 maximum: a float32 sum would overflow before the division."""
+    table = uniform_table(3)
+    payloads = np.stack([codec.encode(np.full(8, 3e38, np.float32), table, bucket_size=1, seed=p)
+                         for p in range(2)])
+    got = codec.decode_average(payloads, table)
+    assert np.isfinite(got).all()
+    assert np.array_equal(got, codec.decode(payloads[0], table))
 
 
 def test_decode_average_names_the_bad_rank():
@@ -430,7 +440,8 @@ def test_truncated_and_oversized_payloads(payload_and_table):
 def test_wrong_magic_version_and_reserved_fields(payload_and_table):
     payload, table = payload_and_table
     for offset, value, match in [(0, ord("X"), "magic"), (2, 3, "format version 3"),
-                                 (3, 9, "bits 9"), (4, 7, "norm code 7"), (5, 2, "reserved")]:
+                                 (3, 9, "bits 9"), (4, 7, "norm code 7"), (5, 4, "reserved"),
+                                 (5, 3, "reserved"), (30, 1, "reserved")]:
         bad = payload.copy()
         bad[offset] = value
         with pytest.raises(PayloadError, match=match):
@@ -502,3 +513,106 @@ def test_subnormal_levels_are_flushed_and_subnormal_gaps_rejected():
     close = LevelTable([-1.0, 2.0**-126, 2.0**-126 + 2.0**-149, 1.0])
     with pytest.raises(ValueError, match="closer than 1.2e-38"):
         codec.encode(np.ones(4, np.float32), close, bucket_size=4)
+
+
+# ------------------------------------------------------------------------------ checksum (§11)
+def test_the_worked_example_of_the_format_document():
+    table = LevelTable([-1.0, -1 / 3, 1 / 3, 1.0], 0)
+    x = np.float32([0.5, -0.25, 1.0, 0.0, 0.1])
+    u = np.full(5, 0.5, np.float32)
+    plain = codec.encode(x, table, bucket_size=4, uniforms=u)
+    assert plain.tobytes().hex() == (
+        "41510202000004000000000056 06b0c3".replace(" ", "")
+        + "0400000005000000" + "0" * 16 + "76a4923fcdcccc3d7603")
+    sealed = codec.encode(x, table, bucket_size=4, uniforms=u, checksum=True)
+    assert sealed[5] == codec.FLAG_CHECKSUM and sealed[28:32].tobytes().hex() == "a3daf880"
+    assert np.array_equal(np.delete(sealed, [5, 28, 29, 30, 31]),
+                          np.delete(plain, [5, 28, 29, 30, 31]))
+
+
+def test_checksum_definition():
+    import zlib
+
+    payload = codec.encode(gradient(100), uniform_table(3), bucket_size=16, seed=0)
+    raw = payload.tobytes()
+    assert codec.payload_checksum(payload) == zlib.crc32(raw[:28] + raw[32:])
+    sealed = codec.seal_checksum(payload.copy())
+    header = codec.parse_header(sealed)
+    assert header.checksummed and not header.nonfinite and header.first_nonfinite is None
+    assert header.checksum == struct.unpack("<I", sealed[28:32].tobytes())[0]
+    assert header.checksum == codec.payload_checksum(sealed)  # the CRC field is not covered
+    assert np.array_equal(codec.seal_checksum(sealed.copy()), sealed)  # idempotent
+    assert not codec.parse_header(payload).checksummed and codec.parse_header(payload).checksum \
+        is None
+    marker = codec.nonfinite_payload(100, uniform_table(3), 16, "l2", 4)
+    with pytest.raises(PayloadError, match="carries no data"):
+        codec.seal_checksum(marker)
+    with pytest.raises(ValueError, match="carries no checksum"):
+        codec.make_header(100, uniform_table(3), 16, "l2", first_nonfinite=3, checksum=True)
+    assert codec.make_header(100, uniform_table(3), 16, "l2", checksum=True)[5] == 2
+    with pytest.raises(TypeError, match="checksum must be True or False, got 'yes'"):
+        codec.encode(gradient(4), uniform_table(3), bucket_size=2, seed=0, checksum="yes")
+
+
+@pytest.mark.parametrize("bits, n, bucket", [(3, 100, 16), (1, 9, 4), (8, 5, 1 << 20)])
+def test_every_single_bit_flip_of_a_checksummed_payload_is_refused(bits, n, bucket):
+    table = uniform_table(bits, version=2)
+    sealed = codec.encode(gradient(n, seed=bits), table, bucket_size=bucket, seed=1,
+                          checksum=True)
+    plain = codec.encode(gradient(n, seed=bits), table, bucket_size=bucket, seed=1)
+    expected = codec.decode(plain, table)
+    assert np.array_equal(bits_of(codec.decode(sealed, table)), bits_of(expected))
+    silent = 0
+    for byte in range(sealed.size):
+        for bit in range(8):
+            for payload, checked in ((sealed, True), (plain, False)):
+                bad = payload.copy()
+                bad[byte] ^= np.uint8(1 << bit)
+                try:
+                    got = codec.decode(bad, table)
+                except PayloadError:
+                    continue
+                except codec.NonFiniteGradientError:  # flags 0 → 1 makes a marker
+                    assert not checked
+                    continue
+                assert not checked, (byte, bit)  # with the checksum: always refused
+                silent += not np.array_equal(bits_of(got), bits_of(expected))
+    assert silent > 0  # without it, some flips of norms and codes decode to other values
+
+
+def test_checksums_are_verified_before_the_data_and_name_the_rank():
+    table = TERNARY
+    good = codec.encode(gradient(10), table, bucket_size=4, seed=0, checksum=True)
+    bad_norm = good.copy()
+    bad_norm[32:36] = np.frombuffer(np.float32(-1).tobytes(), np.uint8)  # crc no longer fits
+    with pytest.raises(PayloadError, match="^payload checksum mismatch"):
+        codec.decode(bad_norm, table)
+    plain_bad = codec.encode(gradient(10), table, bucket_size=4, seed=0)
+    plain_bad[32:36] = bad_norm[32:36]
+    rows = np.stack([good, plain_bad, bad_norm])  # rank 1: bad data, rank 2: bad checksum
+    with pytest.raises(PayloadError, match="^rank 2: payload checksum mismatch") as info:
+        codec.decode_average(rows, table)
+    assert info.value.rank == 2
+    with pytest.raises(PayloadError, match=r"^rank 1: payload holds a negative or non-finite "
+                                           r"bucket norm: -1.0 in bucket 0 of 3 \(corrupted"):
+        codec.decode_average(rows[:2], table)
+    with pytest.raises(PayloadError, match="^rank 1: payload header has reserved fields set"):
+        codec.decode_average(np.stack([good, _with_flags(good, 3)]), table)
+
+
+def _with_flags(payload, flags):
+    bad = payload.copy()
+    bad[5] = flags
+    return bad
+
+
+def test_a_header_may_state_a_bucket_size_beyond_numel():
+    table = uniform_table(2)
+    for n, bucket in [(1, 2**32 - 1), (7, 2**31), (0, 2**32 - 1)]:
+        payload = codec.encode(gradient(n), table, bucket_size=bucket, seed=0)
+        header = codec.parse_header(payload)
+        assert header.bucket_size == bucket and header.span == max(1, n)
+        assert header.num_buckets == (1 if n else 0)
+        assert codec.decode(payload, table).shape == (n,)
+        q = codec.quantize(gradient(n), table, bucket_size=bucket, seed=0)
+        assert np.array_equal(bits_of(q), bits_of(codec.decode(payload, table)))

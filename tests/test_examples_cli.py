@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -70,6 +71,114 @@ def test_pytorch_example_stock_path_and_mpi(tmp_path):
 
 
 # ---------------------------------------------------------------- the horovod-aq command
+DEMO_LINE = re.compile(
+    r"^demo done: test accuracy fp32 (\d+\.\d)%, ALQ 3-bit (\d+\.\d)% \(seed (\d+), same "
+    r"initial weights and sample order\); ALQ 3-bit sent (\d+\.\d)x fewer gradient bytes than "
+    r"fp32 \(([\d.]+) vs ([\d.]+) MiB over (\d+) steps, rank 0 telemetry; ([\d.]+) bits per "
+    r"coordinate\); figure (\S+), runs in ", re.MULTILINE)
+
+
+def _launches(out: str) -> list[list[str]]:
+    return [line[2:].split() for line in out.splitlines() if line.startswith("$ ")]
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.multiprocess
+def test_cli_demo_trains_fp32_and_alq_from_one_seed_and_compares(tmp_path, capfd):
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--epochs", "1", "--out", str(out), "--no-progress"]) == 0
+    text = capfd.readouterr().out
+    launches = _launches(text)
+    assert [_flag(a, "--compression") for a in launches] == ["none", "alq"], text[-3000:]
+    assert {_flag(a, "--seed") for a in launches} == {"0"}
+    runs = {}
+    for name in ("fp32", "alq3"):
+        with open(out / name / "metrics.json") as f:
+            runs[name] = json.load(f)
+        with open(out / name / "telemetry.jsonl") as f:
+            runs[name]["telemetry"] = [json.loads(line) for line in f]
+    fp32, alq = runs["fp32"]["summary"], runs["alq3"]["summary"]
+    assert (fp32["compression"], alq["compression"]) == ("none", "alq")
+    for key in ("seed", "steps", "init_fingerprint", "order_fingerprint"):  # started alike
+        assert fp32[key] == alq[key], key
+    assert fp32["test_acc"] > 0.3 and alq["test_acc"] > 0.3               # chance is 0.1
+    steps = [len(r["telemetry"]) for r in runs.values()]
+    assert steps == [fp32["steps"]] * 2
+    sent = {k: sum(rec["bytes_sent"] for rec in r["telemetry"]) for k, r in runs.items()}
+    m = DEMO_LINE.search(text)
+    assert m, text[-3000:]
+    assert float(m.group(1)) == round(100 * fp32["test_acc"], 1)
+    assert float(m.group(2)) == round(100 * alq["test_acc"], 1)
+    assert int(m.group(3)) == 0 and int(m.group(7)) == steps[0]
+    assert float(m.group(4)) == round(sent["fp32"] / sent["alq3"], 1)
+    assert float(m.group(4)) > 8                                           # 3 bits vs 32
+    assert m.group(9) == str(out / "curves.png")
+    assert (out / "curves.png").stat().st_size > 10_000
+
+
+def _fake_demo_runs(monkeypatch, *, bytes_per_step: dict, fingerprint: dict | None = None,
+                    fail: str | None = None) -> list[list[str]]:
+    """Stand in for horovodrun: write what the example writes (metrics.json, telemetry)."""
+    calls = []
+
+    def run(cmd, env=None):
+        calls.append(cmd)
+        comp, out = _flag(cmd, "--compression"), _flag(cmd, "--out")
+        if comp == fail:
+            return subprocess.CompletedProcess(cmd, 3)
+        os.makedirs(out, exist_ok=True)
+        steps, acc = 4, {"none": 0.9, "alq": 0.875}[comp]
+        epochs = [{"epoch": 1, "step": steps, "step_loss": [2.0, 1.5, 1.0, 0.5],
+                   "train_loss": 1.25, "test_loss": 0.6, "test_acc": acc}]
+        summary = {"compression": comp, "test_acc": acc, "seed": int(_flag(cmd, "--seed")),
+                   "steps": steps, "init_fingerprint": (fingerprint or {}).get(comp, "a"),
+                   "order_fingerprint": "b", "bits_per_coordinate": 3.04 if comp == "alq" else 32,
+                   "compression_ratio": 99.0}         # not what the closing line may use
+        with open(os.path.join(out, "metrics.json"), "w") as f:
+            json.dump({"summary": summary, "epochs": epochs}, f)
+        with open(os.path.join(out, "telemetry.jsonl"), "w") as f:
+            for step in range(steps):
+                f.write(json.dumps({"step": step, "bytes_sent": bytes_per_step[comp]}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(cli.subprocess, "run", run)
+    monkeypatch.setattr(cli, "_horovodrun", lambda: "horovodrun")
+    return calls
+
+
+def test_cli_demo_closing_line_takes_the_byte_ratio_from_telemetry(tmp_path, monkeypatch,
+                                                                   capsys):
+    calls = _fake_demo_runs(monkeypatch, bytes_per_step={"none": 1_048_576, "alq": 131_072})
+    assert cli.main(["demo", "--out", str(tmp_path), "--seed", "7", "--epochs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert [_flag(c, "--compression") for c in calls] == ["none", "alq"]
+    assert {_flag(c, "--seed") for c in calls} == {"7"}
+    assert [_flag(c, "--out") for c in calls] == [str(tmp_path / "fp32"), str(tmp_path / "alq3")]
+    m = DEMO_LINE.search(out)
+    assert m, out
+    assert m.groups()[:8] == ("90.0", "87.5", "7", "8.0", "0.50", "4.00", "4", "3.04")
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_cli_demo_refuses_runs_that_did_not_start_alike(tmp_path, monkeypatch, capsys):
+    _fake_demo_runs(monkeypatch, bytes_per_step={"none": 8, "alq": 1},
+                    fingerprint={"none": "a", "alq": "c"})
+    assert cli.main(["demo", "--out", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "init_fingerprint: a vs c" in captured.err and "demo done" not in captured.out
+
+
+@pytest.mark.parametrize("fail", ["none", "alq"])
+def test_cli_demo_stops_at_a_failed_run(tmp_path, monkeypatch, capsys, fail):
+    calls = _fake_demo_runs(monkeypatch, bytes_per_step={"none": 8, "alq": 1}, fail=fail)
+    assert cli.main(["demo", "--out", str(tmp_path)]) == 3
+    assert len(calls) == (1 if fail == "none" else 2)
+    assert "demo done" not in capsys.readouterr().out
+
+
 def test_cli_levels_fits_and_plots(tmp_path, capsys):
     png = tmp_path / "levels.png"
     assert cli.main(["levels", "--method", "alq", "--bits", "3", "--bucket-size", "1024",

@@ -240,7 +240,7 @@ def corruptions(payload, table):
     header = codec.parse_header(payload)
     out = [("truncated", payload[:97]), ("short", payload[:10]),
            ("long", np.concatenate([payload, [0]]).astype(np.uint8))]
-    for offset, value in [(0, ord("X")), (2, 99), (3, 9), (4, 7), (5, 2)]:
+    for offset, value in [(0, ord("X")), (2, 99), (3, 9), (4, 7), (5, 4), (5, 2)]:
         bad = payload.copy()
         bad[offset] = value
         out.append((f"byte{offset}", bad))
@@ -377,3 +377,65 @@ def test_random_payloads_match_the_oracle(n, bucket_size, bits, norm, seed, spar
     rows = np.stack(rows)
     assert (fused.decode_average(rows, table).tobytes()
             == codec.decode_average(rows, table).tobytes())
+
+
+# ------------------------------------------------------------------------------------ checksum
+@pytest.mark.parametrize("n, bucket_size", [(0, 4), (1, 2**32 - 1), (100, 16), (4097, 1024)])
+def test_checksummed_payloads_are_the_oracles(n, bucket_size):
+    table, key = LevelTable(uniform(3), 5), StreamKey(3, rank=2, step=9)
+    x = gradient(n)
+    want = codec.encode(x, table, bucket_size=bucket_size, key=key, checksum=True)
+    got = fused.encode(x, table, bucket_size=bucket_size, key=key, checksum=True)
+    assert got.tobytes() == want.tobytes() and codec.parse_header(got).checksummed
+    out = np.empty(want.size, np.uint8)
+    assert fused.encode(x, table, bucket_size=bucket_size, key=key, checksum=True,
+                        out=out) is out and out.tobytes() == want.tobytes()
+    rows = np.stack([want, codec.encode(x, table, bucket_size=bucket_size, key=key)])
+    assert fused.decode_average(rows, table).tobytes() == codec.decode_average(
+        rows, table).tobytes()
+    with pytest.raises(TypeError, match="checksum must be True or False"):
+        fused.encode(x, table, bucket_size=bucket_size, key=key, checksum=None)
+
+
+def test_a_checksum_mismatch_raises_the_oracles_error():
+    table, key = LevelTable(uniform(3), 5), StreamKey(3)
+    sealed = fused.encode(gradient(100), table, bucket_size=16, key=key, checksum=True)
+    for byte in (29, 40, 97):  # the CRC field, a norm, the last code byte
+        bad = sealed.copy()
+        bad[byte] ^= 0x10
+        err = same_error(lambda: fused.decode(bad, table), lambda: codec.decode(bad, table))
+        assert "checksum mismatch" in str(err)
+        rows = np.stack([sealed, bad])
+        err = same_error(lambda: fused.decode_average(rows, table),
+                         lambda: codec.decode_average(rows, table))
+        assert err.rank == 1
+
+
+def test_the_traced_graph_entry_points_check_like_the_oracle():
+    """encode_with / decode_average_with (TensorFlow's fused path): the same checksum and the
+    oracle's errors for bad checksums, norms and codes."""
+    table, key = LevelTable([-1.0, -0.3, 0.2, 0.6, 1.0], 1), StreamKey(1, rank=1)
+    x = gradient(100)
+    levels = codec.float32_levels(table)
+    header = np.frombuffer(codec.make_header(100, table, 16, "l2"), np.uint8)
+    sealed = fused.encode_with(x, levels, header, bits=3, bucket_size=16, norm="l2",
+                               key=key.scalars(), checksum=True)
+    assert sealed.tobytes() == codec.encode(x, table, bucket_size=16, key=key,
+                                            checksum=True).tobytes()
+    plain = fused.encode_with(x, levels, header, bits=3, bucket_size=16, norm="l2",
+                              key=key.scalars())
+    bad_norm = plain.copy()
+    bad_norm[36:40] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
+    bad_code = plain.copy()
+    bad_code[-1] = 0xFF
+    bad_crc = sealed.copy()
+    bad_crc[50] ^= 1
+    for bad in (bad_norm, bad_code, bad_crc):
+        rows = np.stack([plain, sealed, bad])
+        err = same_error(lambda: fused.decode_average_with(rows, levels, numel=100, bits=3,
+                                                           bucket_size=16),
+                         lambda: codec.decode_average(rows, table))
+        assert err.rank == 2
+    rows = np.stack([plain, sealed])
+    assert fused.decode_average_with(rows, levels, numel=100, bits=3, bucket_size=16).tobytes() \
+        == codec.decode_average(rows, table).tobytes()

@@ -7,12 +7,16 @@ skipped; the oracle comparisons still run for the others.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import struct
 
 import numpy as np
 import pytest
 
 from horovod_aq import codec
+from horovod_aq.codec import PayloadError, fused
+from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels.table import LevelTable
 
 # ------------------------------------------------------------------------------ framework shims
@@ -256,3 +260,264 @@ def test_empty_gradient(framework):
     payload = fw.encode(x, table, 16, "l2", np.zeros(0, np.float32))
     assert np.array_equal(payload, codec.encode(x, table, bucket_size=16, uniforms=[]))
     assert fw.decode(payload, table).shape == (0,)
+
+
+# ------------------------------------------------------- refusal parity, checksums, forged headers
+# Every decoder refuses what the numpy oracle refuses, with its exception and message, and
+# decodes what it accepts to the same bits: the oracle, the fused CPU kernel, the torch dispatch
+# (fused on CPU), the torch ops, Triton (interpreter), TensorFlow eagerly (fused decode_average,
+# ops decode) and with the ops forced, and inside tf.function (errors translated back).
+
+
+PARITY_TABLE = LevelTable([-1.0, -0.2, 0.1, 0.7, 1.0], 4)  # 3 bits, 5 levels: codes 5..7 invalid
+
+
+@contextlib.contextmanager
+def _implementation(module, value):
+    old = module.IMPLEMENTATION
+    module.IMPLEMENTATION = value
+    try:
+        yield
+    finally:
+        module.IMPLEMENTATION = old
+
+
+def parity_decoders():
+    """{name: (decode(payload, table) -> float32 array, decode_average(rows, table), graph)}"""
+    out = {"numpy": (codec.decode, codec.decode_average, False),
+           "fused": (fused.decode, fused.decode_average, False)}
+    try:
+        import torch
+
+        from horovod_aq.torch import kernels as tk
+    except ImportError:
+        tk = None
+    if tk is not None:
+        def torch_op(op, impl):
+            def run(data, table):
+                with _implementation(tk, impl):
+                    return getattr(tk, op)(torch.from_numpy(data), table).numpy()
+            return run
+
+        out["torch"] = (torch_op("decode", "auto"), torch_op("decode_average", "auto"), False)
+        out["torch-ops"] = (torch_op("decode", "ops"), torch_op("decode_average", "ops"), False)
+        from horovod_aq.torch import triton_kernels
+
+        if triton_kernels.available() and triton_kernels.interpreting():
+            out["triton"] = (
+                lambda p, t: triton_kernels.decode(torch.from_numpy(p), t).numpy(),
+                lambda r, t: triton_kernels.decode_average(torch.from_numpy(r), t).numpy(),
+                False)
+    try:
+        import tensorflow as tf
+
+        from horovod_aq.tensorflow import kernels as tfk
+        from horovod_aq.tensorflow.checks import translate_error
+    except ImportError:
+        tfk = None
+    if tfk is not None:
+        def tf_op(op, impl, graph):
+            def run(data, table):
+                fn = getattr(tfk, op)
+                with _implementation(tfk, impl):
+                    if not graph:
+                        return fn(tf.constant(data), table).numpy()
+                    h = codec.parse_header(data if data.ndim == 1 else data[0])
+                    kw = {"numel": h.numel, "bucket_size": h.bucket_size, "norm": h.norm}
+                    try:
+                        return tf.function(lambda p: fn(p, table, **kw))(tf.constant(data)).numpy()
+                    except tf.errors.InvalidArgumentError as err:
+                        raise translate_error(err) from None
+            return run
+
+        for impl, suffix in (("auto", ""), ("ops", "-ops")):
+            out["tf" + suffix] = (tf_op("decode", impl, False),
+                                  tf_op("decode_average", impl, False), False)
+            out["tf.function" + suffix] = (tf_op("decode", impl, True),
+                                           tf_op("decode_average", impl, True), True)
+    return out
+
+
+def _parity_payloads():
+    x = np.random.default_rng(3).standard_normal(100).astype(np.float32)
+    plain = codec.encode(x, PARITY_TABLE, bucket_size=16, key=StreamKey(seed=5))
+    sealed = codec.encode(x, PARITY_TABLE, bucket_size=16, key=StreamKey(seed=5), checksum=True)
+    other = codec.encode(x[::-1].copy(), PARITY_TABLE, bucket_size=16, key=StreamKey(seed=6))
+    return plain, sealed, other
+
+
+def _set_norm(payload, bucket, value):
+    bad = payload.copy()
+    at = 32 + 4 * bucket
+    bad[at:at + 4] = np.frombuffer(np.float32(value).tobytes(), np.uint8)
+    return bad
+
+
+def _flip(payload, byte, bit):
+    bad = payload.copy()
+    bad[byte] ^= np.uint8(1 << bit)
+    return bad
+
+
+def _with(payload, byte, value):
+    bad = payload.copy()
+    bad[byte] = value
+    return bad
+
+
+#: (name, kind, make(plain, sealed) -> corrupted payload, message fragment); kind "data" errors
+#: are PayloadErrors everywhere (in tf.function too, translated); "header" errors in a graph
+#: are the graph's own assertions (only their type is compared there)
+CORRUPTIONS = [
+    ("negative-norm", "data", lambda p, s: _set_norm(p, 2, -1.0), "negative or non-finite"),
+    ("nan-norm", "data", lambda p, s: _set_norm(p, 0, np.nan), "negative or non-finite"),
+    ("inf-norm", "data", lambda p, s: _set_norm(p, 6, np.inf), "negative or non-finite"),
+    ("code-past-the-table", "data", lambda p, s: _with(p, -1, 0xFF), "holds code 7"),
+    ("code-bit-flip-checksummed", "data", lambda p, s: _flip(s, 80, 3), "checksum mismatch"),
+    ("norm-exponent-flip-checksummed", "data", lambda p, s: _flip(s, 35, 4),
+     "checksum mismatch"),
+    ("crc-field-flip", "data", lambda p, s: _flip(s, 29, 0), "checksum mismatch"),
+    ("checksum-flag-without-crc", "data", lambda p, s: _with(p, 5, 2), "checksum mismatch"),
+    ("flags-3", "header", lambda p, s: _with(p, 5, 3), "reserved fields set"),
+    ("flags-4", "header", lambda p, s: _with(p, 5, 4), "reserved fields set"),
+    ("reserved-without-flag", "header", lambda p, s: _with(p, 30, 1), "reserved fields set"),
+    ("checksummed-marker", "header", lambda p, s: _with(codec.nonfinite_payload(
+        100, PARITY_TABLE, 16, "l2", 7), 5, 3), "reserved fields set"),
+]
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 - compared below
+        return err
+    return None
+
+
+@pytest.mark.parametrize("name, kind, make, fragment", CORRUPTIONS,
+                         ids=[c[0] for c in CORRUPTIONS])
+def test_every_decoder_refuses_what_the_oracle_refuses(name, kind, make, fragment):
+    plain, sealed, other = _parity_payloads()
+    bad = make(plain, sealed)
+    single = _raised(lambda: codec.decode(bad, PARITY_TABLE))
+    average = _raised(lambda: codec.decode_average(np.stack([other, bad]), PARITY_TABLE))
+    assert isinstance(single, PayloadError) and fragment in str(single), single
+    assert str(average) == f"rank 1: {single}" and average.rank == 1
+    for decoder, (decode, decode_average, graph) in parity_decoders().items():
+        for call, want in ((lambda: decode(bad, PARITY_TABLE), single),
+                           (lambda: decode_average(np.stack([other, bad]), PARITY_TABLE),
+                            average)):
+            got = _raised(call)
+            if graph and kind == "header":
+                assert got is not None, decoder
+                continue
+            assert type(got) is type(want) and str(got) == str(want), (decoder, got, want)
+            assert getattr(got, "rank", None) == getattr(want, "rank", None), decoder
+
+
+def test_every_decoder_accepts_what_the_oracle_accepts():
+    """Checksummed payloads, a −0.0 norm, and a forged but valid header: B = 2³² − 1 for one
+    element (memory bounded by n, not by B)."""
+    plain, sealed, other = _parity_payloads()
+    header = bytearray(plain[:32])
+    header[16:20] = struct.pack("<I", 2**32 - 1)
+    header[20:28] = struct.pack("<Q", 1)
+    forged = np.concatenate([np.frombuffer(bytes(header), np.uint8),
+                             np.frombuffer(np.float32(2.5).tobytes(), np.uint8),
+                             np.array([3], np.uint8)])
+    assert forged.size == codec.payload_size(1, 3, 2**32 - 1)
+    cases = {"sealed": (sealed, np.stack([other, sealed])),
+             "minus-zero-norm": (_set_norm(plain, 1, -0.0), np.stack([plain, plain])),
+             "forged-bucket-size": (forged, np.stack([forged, forged]))}
+    for case, (payload, rows) in cases.items():
+        want = f32_bits(codec.decode(payload, PARITY_TABLE))
+        want_avg = f32_bits(codec.decode_average(rows, PARITY_TABLE))
+        for decoder, (decode, decode_average, _) in parity_decoders().items():
+            assert np.array_equal(f32_bits(decode(payload, PARITY_TABLE)), want), (case, decoder)
+            assert np.array_equal(f32_bits(decode_average(rows, PARITY_TABLE)), want_avg), \
+                (case, decoder)
+    assert float(codec.decode(forged, PARITY_TABLE)[0]) == np.float32(2.5) * np.float32(0.7)
+
+
+def test_the_oracle_decodes_a_forged_bucket_size_in_bounded_memory():
+    import tracemalloc
+
+    table = table_for("uniform", 3)
+    x = np.float32([0.25])
+    for bucket in (2**32 - 1, 2**31 + 5):
+        payload = codec.encode(x, table, bucket_size=bucket, seed=0)  # encoding is bounded too
+        tracemalloc.start()
+        try:
+            codec.decode(payload, table)
+            codec.decode_average(np.stack([payload] * 3), table)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, peak
+
+
+def parity_encoders():
+    """{name: encode(x, table, bucket_size, key, checksum) -> uint8 array}"""
+    out = {"numpy": lambda x, t, b, k, c: codec.encode(x, t, bucket_size=b, key=k, checksum=c),
+           "fused": lambda x, t, b, k, c: fused.encode(x, t, bucket_size=b, key=k, checksum=c)}
+    try:
+        import torch
+
+        from horovod_aq.torch import kernels as tk
+    except ImportError:
+        tk = None
+    if tk is not None:
+        def torch_encode(impl):
+            def run(x, t, b, k, c):
+                with _implementation(tk, impl):
+                    return tk.encode(torch.from_numpy(x), t, bucket_size=b, key=k,
+                                     checksum=c).numpy()
+            return run
+
+        out["torch"] = torch_encode("auto")
+        out["torch-ops"] = torch_encode("ops")
+        from horovod_aq.torch import triton_kernels
+
+        if triton_kernels.available() and triton_kernels.interpreting():
+            out["triton"] = lambda x, t, b, k, c: triton_kernels.encode(
+                torch.from_numpy(x), t, bucket_size=b, key=k, checksum=c).numpy()
+    try:
+        import tensorflow as tf
+
+        from horovod_aq.tensorflow import kernels as tfk
+    except ImportError:
+        tfk = None
+    if tfk is not None:
+        def tf_encode(impl, graph):
+            def run(x, t, b, k, c):
+                with _implementation(tfk, impl):
+                    if not graph:
+                        return tfk.encode(tf.constant(x), t, bucket_size=b, key=k,
+                                          checksum=c).numpy()
+                    levels = tf.Variable(tfk.levels_tensor(t))
+                    header = tf.Variable(tfk.header_tensor(x.size, t, b, "l2"))
+                    fn = tf.function(lambda a: tfk.encode_with(a, levels, header, bits=t.bits,
+                                                               bucket_size=b, key=k, checksum=c))
+                    return fn(tf.constant(x)).numpy()
+            return run
+
+        for impl, suffix in (("auto", ""), ("ops", "-ops")):
+            out["tf" + suffix] = tf_encode(impl, False)
+            out["tf.function" + suffix] = tf_encode(impl, True)
+    return out
+
+
+@pytest.mark.parametrize("n, bucket", [(0, 16), (1, 2**32 - 1), (100, 16), (1001, 64)])
+def test_every_encoder_writes_the_same_checksum(n, bucket):
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    key = StreamKey(seed=2, rank=1, step=3)
+    want = codec.encode(x, PARITY_TABLE, bucket_size=bucket, key=key, checksum=True)
+    plain = codec.encode(x, PARITY_TABLE, bucket_size=bucket, key=key)
+    header = codec.parse_header(want)
+    assert header.checksummed and header.checksum == codec.payload_checksum(want)
+    assert np.array_equal(want[32:], plain[32:]) and want[5] == codec.FLAG_CHECKSUM
+    assert np.array_equal(np.delete(want[:32], [5, 28, 29, 30, 31]),
+                          np.delete(plain[:32], [5, 28, 29, 30, 31]))
+    for name, encode in parity_encoders().items():
+        assert np.array_equal(encode(x, PARITY_TABLE, bucket, key, True), want), name
+        assert np.array_equal(encode(x, PARITY_TABLE, bucket, key, False), plain), name

@@ -206,3 +206,53 @@ def test_graph_errors_name_the_field():
         tf.function(lambda x: tk.encode_with(x, levels, header, bits=3, bucket_size=16),
                     input_signature=[tf.TensorSpec([None], tf.float32)],
                     autograph=False).get_concrete_function()
+
+
+# ------------------------------------------------------------------------------------ checksum
+def test_graph_decoders_accept_checksummed_rows_and_verify_them(variables):
+    from horovod_aq.codec.stream import StreamKey
+    from horovod_aq.tensorflow.checks import translate_error
+
+    table, levels, header = variables
+    n, bucket = N, BUCKET
+    x = gradient(n)
+    key = StreamKey(seed=4)
+    sealed = codec.encode(x, table, bucket_size=bucket, key=key, checksum=True)
+    plain = codec.encode(x, table, bucket_size=bucket, key=key)
+
+    @tf.function
+    def encode(v):
+        return tk.encode_with(v, levels, header, bits=table.bits, bucket_size=bucket, key=key,
+                              checksum=True)
+
+    assert np.array_equal(encode(tf.constant(x)).numpy(), sealed)
+
+    @tf.function
+    def average(rows):
+        return tk.decode_average_with(rows, levels, header, numel=n, bits=table.bits,
+                                      bucket_size=bucket)
+
+    @tf.function
+    def decode(row):
+        return tk.decode_with(row, levels, header, numel=n, bits=table.bits, bucket_size=bucket)
+
+    rows = np.stack([plain, sealed])
+    assert np.array_equal(f32_bits(average(tf.constant(rows))),
+                          f32_bits(codec.decode_average(rows, table)))
+    assert np.array_equal(f32_bits(decode(tf.constant(sealed))),
+                          f32_bits(codec.decode(sealed, table)))
+    bad = sealed.copy()
+    bad[-3] ^= 0x20
+    for fn, arg, oracle in ((average, np.stack([plain, bad]), codec.decode_average),
+                            (decode, bad, codec.decode)):
+        with pytest.raises(PayloadError) as want:
+            oracle(arg, table)
+        with pytest.raises(tf.errors.InvalidArgumentError) as got:
+            fn(tf.constant(arg))
+        err = translate_error(got.value)
+        assert isinstance(err, PayloadError) and str(err) == str(want.value)
+        assert getattr(err, "rank", None) == getattr(want.value, "rank", None)
+    other = plain.copy()
+    other[5] = 1  # a marker's flag is not the checksum's: still refused by the header check
+    with pytest.raises(tf.errors.InvalidArgumentError, match="payload flags differs"):
+        decode(tf.constant(other))

@@ -183,14 +183,19 @@ def test_bucket_stats_matches_codec():
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-15)
 
 
-def test_corrupted_code_decodes_to_nan_without_a_sync(monkeypatch):
+def test_corrupted_code_is_refused_by_every_torch_implementation(monkeypatch):
     payload = tk.encode(torch.from_numpy(gradient(10)), TERNARY, bucket_size=4,
                         generator=torch.Generator().manual_seed(0))
     payload[-1] = 0xFF  # code 3 of a 3-level table
     with pytest.raises(PayloadError, match="code 3 but the table has 3 levels"):
         tk.decode(payload, TERNARY)    # CPU tensors: the fused kernel refuses, as the oracle
-    monkeypatch.setattr(tk, "IMPLEMENTATION", "ops")   # the torch ops (any device): no sync
-    assert torch.isnan(tk.decode(payload, TERNARY)[-1])
+    monkeypatch.setattr(tk, "IMPLEMENTATION", "ops")   # the torch ops: one sync at the end
+    with pytest.raises(PayloadError, match="code 3 but the table has 3 levels"):
+        tk.decode(payload, TERNARY)
+    with pytest.raises(PayloadError, match="^rank 1: payload holds code 3") as info:
+        good = torch.from_numpy(codec.encode(gradient(10), TERNARY, bucket_size=4, seed=1))
+        tk.decode_average(torch.stack([good, payload]), TERNARY)
+    assert info.value.rank == 1
 
 
 def test_unbiased_with_the_generator():
@@ -292,3 +297,38 @@ def test_first_nonfinite(dtype):
     # finite values whose float32 sum overflows are not reported (the exact check decides)
     huge = torch.full((8,), 3e38, dtype=torch.float32)
     assert not torch.isfinite(huge.sum()) and tk.first_nonfinite(huge) is None
+
+
+# ------------------------------------------------------------------------------------ checksum
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_ops_write_and_verify_the_checksum(monkeypatch, device):
+    monkeypatch.setattr(tk, "IMPLEMENTATION", "ops")
+    table, x = uniform_table(3, version=2), gradient(300)
+    u = np.random.default_rng(1).random(300, dtype=np.float32)
+    want = codec.encode(x, table, bucket_size=64, uniforms=u, checksum=True)
+    got = tk.encode(torch.from_numpy(x).to(device), table, bucket_size=64,
+                    uniforms=torch.from_numpy(u), checksum=True)
+    assert got.device.type == device and np.array_equal(got.cpu().numpy(), want)
+    plain = codec.encode(x, table, bucket_size=64, uniforms=u)
+    rows = torch.from_numpy(np.stack([want, plain])).to(device)
+    assert np.array_equal(tk.decode_average(rows, table).cpu().numpy(),
+                          codec.decode_average(rows.cpu().numpy(), table))
+    bad = want.copy()
+    bad[40] ^= 4
+    with pytest.raises(PayloadError, match="^payload checksum mismatch"):
+        tk.decode(torch.from_numpy(bad).to(device), table)
+    with pytest.raises(PayloadError, match="^rank 1: payload checksum mismatch") as info:
+        tk.decode_average(torch.from_numpy(np.stack([plain, bad])).to(device), table)
+    assert info.value.rank == 1
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), -float("inf")])
+def test_the_ops_refuse_bad_norms_like_the_oracle(monkeypatch, value):
+    monkeypatch.setattr(tk, "IMPLEMENTATION", "ops")
+    payload = codec.encode(gradient(100), uniform_table(3), bucket_size=16, seed=0)
+    payload[44:48] = np.frombuffer(np.float32(value).tobytes(), np.uint8)  # bucket 3
+    with pytest.raises(PayloadError) as want:
+        codec.decode(payload, uniform_table(3))
+    with pytest.raises(PayloadError) as got:
+        tk.decode(torch.from_numpy(payload), uniform_table(3))
+    assert str(got.value) == str(want.value) and "in bucket 3 of 7" in str(got.value)

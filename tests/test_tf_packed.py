@@ -460,6 +460,403 @@ def custom_loop_alq(seeds=TRAIN_SEEDS):
     return [custom_loop("alq", s) for s in seeds]
 
 
+# ---------------------------------------------------------------- Keras 3 / Horovod features
+def _keras_dense_model(keras, seed=0, sizes=(20, 32, 10), float32_head=False):
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((sizes[0],))]
+    layers += [keras.layers.Dense(n, activation="relu") for n in sizes[1:-1]]
+    layers.append(keras.layers.Dense(sizes[-1]))
+    if float32_head:
+        layers.append(keras.layers.Activation("linear", dtype="float32"))
+    return keras.Sequential(layers)
+
+
+def _weights_of(model):
+    return [w.numpy() for w in model.weights]
+
+
+def mixed_precision_overflow():
+    """mixed_float16 model.fit: compile() wraps our optimizer in a LossScaleOptimizer. Rank 1's
+    fourth batch overflows float16 (NaN gradients on rank 1 only): every rank must skip that
+    update together and keep one loss scale (before: rank 1 skipped its exchange and the ranks
+    fell out of step)."""
+    tf, hvd = init_tf()
+    import keras
+
+    import horovod_aq.keras as aqk
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _keras_dense_model(keras, seed=4, float32_head=True)
+        comp = _compressor("alq", schedule="0,2,0")   # nonfinite="raise": the LSO decides
+        opt = aqk.DistributedOptimizer(keras.optimizers.SGD(0.05), comp,
+                                       fusion_bytes=FUSION_BYTES)
+        model.compile(optimizer=opt, jit_compile=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.default_rng(hvd.rank())
+        x = rng.standard_normal((64, 20)).astype(np.float32)
+        y = rng.integers(0, 10, 64)
+        if hvd.rank() == 1:
+            x[3 * 8] = 1e6       # > 65504: inf in float16, NaN loss and gradients on rank 1
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        lso = model.optimizer
+        return {"wrapper": type(lso).__name__, "inner_is_ours": lso.inner_optimizer is opt,
+                "scale": float(lso.dynamic_scale.numpy()),
+                "initial_scale": float(lso.initial_scale),
+                "iterations": int(lso.iterations.numpy()), "steps": comp.step,
+                "version": comp.table.version,
+                "skipped": [r.extra.get("skipped", 0.0) for r in opt.telemetry.history],
+                "weights": _weights_of(model)}
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+VOCAB, SEQ = 200, 12
+
+
+def _text_data(rank, n=64):
+    """Token sequences; label 1 when most tokens are from the first half of the vocabulary."""
+    rng = np.random.default_rng(50 + rank)
+    x = rng.integers(1, VOCAB, (n, SEQ)).astype(np.int32)
+    y = ((x < VOCAB // 2).mean(axis=1) > 0.5).astype(np.int64)
+    return x, y
+
+
+def _text_model(keras):
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((SEQ,), dtype="int32"),
+                             keras.layers.Embedding(VOCAB, 16),
+                             keras.layers.GlobalAveragePooling1D(),
+                             keras.layers.Dense(2),
+                             keras.layers.Activation("linear", dtype="float32")])
+
+
+def embedding_text_model():
+    """A text classifier (Embedding → pooling → Dense) trained a few steps on the Keras path
+    (float32 and mixed_float16, where the unscaled IndexedSlices lose their static shape) and on
+    the packed tape (tf.function and eager): weights identical on both ranks."""
+    tf, hvd = init_tf()
+    import keras
+
+    import horovod_aq.keras as aqk
+    import horovod_aq.tensorflow as aqtf
+
+    x, y = _text_data(hvd.rank())
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    out = {}
+    for mode in ("fit", "fit_mixed_float16"):
+        if mode == "fit_mixed_float16":
+            keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            model = _text_model(keras)
+            before = model.layers[0].embeddings.numpy().copy()
+            comp = _compressor("qsgd", bits=4)
+            opt = aqk.DistributedOptimizer(keras.optimizers.SGD(0.5), comp)
+            model.compile(optimizer=opt, loss=loss_fn, jit_compile=False)
+            hist = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+            out[mode] = {"weights": _weights_of(model), "loss": hist.history["loss"],
+                         "moved": float(np.abs(model.layers[0].embeddings.numpy()
+                                               - before).max()),
+                         "steps": comp.step, "buckets": [b[3] for b in opt.buckets]}
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+    for mode in ("tape_function", "tape_eager"):
+        model = _text_model(keras)
+        comp = _compressor("qsgd", bits=4)
+        sgd = keras.optimizers.SGD(0.5)
+
+        def step(xb, yb, model=model, comp=comp, sgd=sgd):  # Python objects, not tf inputs
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            tape = aqtf.DistributedGradientTape(tape, comp)
+            grads = tape.gradient(loss, model.trainable_variables)
+            sgd.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        fn = tf.function(step) if mode == "tape_function" else step
+        losses = [float(fn(tf.constant(x[i:i + 16]), tf.constant(y[i:i + 16])))
+                  for i in range(0, len(y), 16)]
+        out[mode] = {"weights": _weights_of(model), "loss": losses, "steps": comp.step}
+    return out
+
+
+def _aggregation_step(tf, aqtf, opt, x, y, comp, path, average, passes, coef):
+    """The train step of gradient_aggregation (a closure: Keras variables passed to a
+    tf.function as arguments would become tensors)."""
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(x - coef * tf.gather(y, [0]))
+        if path == "keras":
+            grads = tape.gradient(loss, [x, y])
+            opt.apply_gradients(zip(grads, [x, y]))
+        else:
+            tape = aqtf.DistributedGradientTape(tape, comp, backward_passes_per_step=passes,
+                                                average_aggregated_gradients=average)
+            grads = tape.gradient(loss, [x, y])
+            tape.apply_gradients(opt, zip(grads, [x, y]))
+
+    return step
+
+
+def gradient_aggregation():
+    """backward_passes_per_step=4 with Horovod's semantics, Keras optimizer and packed tape:
+    x - r·y[0] on rank r (y's gradient is an IndexedSlices), SGD(1.0) without momentum and an
+    exact exchange (NoCompression), so every value is known; plus model.fit with ALQ and N = 2,
+    where the compressor's step counts exchanges."""
+    tf, hvd = init_tf()
+    import keras
+
+    import horovod_aq
+    import horovod_aq.keras as aqk
+    import horovod_aq.tensorflow as aqtf
+
+    N, CALLS = 4, 10
+    coef = float(hvd.rank() + 1)
+    out = {}
+    for average in (True, False):
+        for path in ("keras", "tape"):
+            x = keras.Variable(np.zeros(1, np.float32), name="agg_x")
+            y = keras.Variable(np.array([1.0, 2.0], np.float32), name="agg_y")
+            comp = horovod_aq.NoCompression()
+            sgd = keras.optimizers.SGD(1.0)
+            opt = (aqk.DistributedOptimizer(sgd, comp, backward_passes_per_step=N,
+                                            average_aggregated_gradients=average)
+                   if path == "keras" else sgd)
+
+            step = _aggregation_step(tf, aqtf, opt, x, y, comp, path, average, N, coef)
+            trace = []
+            for _ in range(CALLS):
+                step()
+                trace.append((float(x.numpy()[0]), y.numpy().tolist(),
+                              int(opt.iterations.numpy()), comp.step))
+            out[f"{path}-{average}"] = trace
+    # model.fit with ALQ, N = 2: 24 micro-batches = 12 exchanges; refits at steps 0 and 2
+    model = _keras_dense_model(keras, seed=5)
+    comp = _compressor("alq", schedule="0,2,0")
+    opt = aqk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), comp,
+                                   backward_passes_per_step=2,
+                                   average_aggregated_gradients=True, fusion_bytes=FUSION_BYTES)
+    model.compile(optimizer=opt, jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(hvd.rank())
+    xs, ys = rng.standard_normal((192, 20)).astype(np.float32), rng.integers(0, 10, 192)
+    model.fit(xs, ys, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    out["fit"] = {"iterations": int(opt.iterations.numpy()), "steps": comp.step,
+                  "version": comp.table.version, "pending": int(opt.aggregation_counter.numpy()),
+                  "weights": _weights_of(model)}
+    return out
+
+
+def _in_function(tf, body):
+    """Run ``body`` once inside a tf.function (it closes over the variables it uses)."""
+    tf.function(body)()
+
+
+def optimizer_copies():
+    """Copies of a distributed optimizer: from_config (class and instance), clone_model +
+    compile with a copy, and a compiled model saved and loaded (plain Keras and
+    horovod_aq.keras.load_model)."""
+    tf, hvd = init_tf()
+    import os
+    import tempfile
+
+    import keras
+
+    import horovod_aq
+    import horovod_aq.keras as aqk
+
+    out = {}
+    comp = horovod_aq.NoCompression()
+    opt = aqk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), comp)
+    cfg = opt.get_config()
+    copies = {"class": opt.__class__.from_config(cfg), "instance": opt.from_config(cfg)}
+    for label, copy in copies.items():
+        v = keras.Variable(np.ones(6, np.float32), name=f"copy_{label}")
+        g = tf.constant(np.full(6, hvd.rank() + 1.0, np.float32))
+        copy.apply_gradients([(g, v)])                 # eager
+        _in_function(tf, lambda: copy.apply_gradients([(g, v)]))
+        out[label] = {"config_equal": copy.get_config() == cfg,
+                      "same_compressor": copy.compression is comp,
+                      "value": v.numpy()}
+    # clone_model + compile with a copy, then train
+    rng = np.random.default_rng(hvd.rank())
+    xs, ys = rng.standard_normal((32, 20)).astype(np.float32), rng.integers(0, 10, 32)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = _keras_dense_model(keras, seed=6)
+    model.compile(optimizer=opt, loss=loss, jit_compile=False)
+    model.fit(xs, ys, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    clone = keras.models.clone_model(model)
+    clone.set_weights(model.get_weights())
+    clone.compile(optimizer=opt.__class__.from_config(opt.get_config()), loss=loss,
+                  jit_compile=False)
+    clone.fit(xs, ys, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    out["clone"] = _weights_of(clone)
+    # save a compiled model; load it plainly and as a distributed model, continue training
+    path = os.path.join(tempfile.mkdtemp(prefix=f"aq_rank{hvd.rank()}_"), "model.keras")
+    model.save(path)
+    plain = keras.models.load_model(path)
+    comp2 = horovod_aq.NoCompression()
+    loaded = aqk.load_model(path, comp2)
+    loaded.fit(xs, ys, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    out["plain"] = {"class": type(plain.optimizer).__name__,
+                    "distributed": hasattr(plain.optimizer, "exchange"),
+                    "iterations": int(plain.optimizer.iterations.numpy())}
+    out["loaded"] = {"class": type(loaded.optimizer).__name__,
+                     "same_compressor": loaded.optimizer.compression is comp2,
+                     "iterations": int(loaded.optimizer.iterations.numpy()),
+                     "weights": _weights_of(loaded)}
+    return out
+
+
+def _train_once(tf, model, opt, xb):
+    """One tf.function step of sum(model(xb)²) with ``opt``; returns the local gradients."""
+
+    @tf.function
+    def train():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(xb) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return grads
+
+    return train()
+
+
+def local_sources():
+    """Horovod's model-parallel pattern: registered local sources / variables are not averaged
+    and are divided by the set size (scale_local_gradients); on the tape
+    (register_local_source, PartialDistributedGradientTape, get_local_and_global_gradients), on
+    the Keras optimizer (register_local_var, PartialDistributedOptimizer) and in the broadcast
+    callback (local_variables)."""
+    tf, hvd = init_tf()
+    import keras
+
+    import horovod_aq
+    import horovod_aq.keras as aqk
+    import horovod_aq.tensorflow as aqtf
+    from horovod_aq.tensorflow.tape import PartialDistributedGradientTape
+
+    r = float(hvd.rank() + 1)
+    comp = horovod_aq.NoCompression()
+    shared = tf.Variable(np.zeros(4, np.float32), name="shared")
+    local = tf.Variable(np.zeros(3, np.float32), name="local")
+    c = tf.constant(np.arange(4, dtype=np.float32) * r)
+    d = tf.constant(np.arange(3, dtype=np.float32) + r)
+    out = {}
+    for scale in (True, False):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(shared * c) + tf.reduce_sum(local * d)
+        tape = aqtf.DistributedGradientTape(tape, comp, scale_local_gradients=scale)
+        tape.register_local_source(local)
+        g_local, g_global = tape.get_local_and_global_gradients(loss, [shared, local])
+        out[f"tape-{scale}"] = {"local": g_local[0][1].numpy(), "global": g_global[0][1].numpy(),
+                                "local_is": g_local[0][0] is local}
+    # a Keras model whose first layer is local (rank-dependent data)
+    model = _keras_dense_model(keras, seed=7, sizes=(6, 5, 3))
+    xb = tf.constant(np.random.default_rng(hvd.rank()).standard_normal((4, 6)).astype(np.float32))
+
+    @tf.function
+    def grads_of():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(xb) ** 2)
+        plain = tape.gradient(loss, model.trainable_variables)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(xb) ** 2)
+        tape = PartialDistributedGradientTape(tape, comp, local_layers=model.layers[0])
+        return plain, tape.gradient(loss, model.trainable_variables)
+
+    plain, partial = grads_of()
+    out["partial_tape"] = {"plain": [g.numpy() for g in plain],
+                           "partial": [g.numpy() for g in partial]}
+    # Keras optimizer: PartialDistributedOptimizer and register_local_var, SGD(1.0)
+    for label in ("partial", "register"):
+        model = _keras_dense_model(keras, seed=7, sizes=(6, 5, 3))
+        w0 = [w.numpy() for w in model.trainable_variables]
+        if label == "partial":
+            opt = aqk.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), comp,
+                                                  local_layers=[model.layers[0]])
+        else:
+            opt = aqk.DistributedOptimizer(keras.optimizers.SGD(1.0), comp)
+            for v in model.layers[0].trainable_weights:
+                opt.register_local_var(v)
+
+        local_grads = [g.numpy() for g in _train_once(tf, model, opt, xb)]
+        out[f"opt-{label}"] = {"before": w0, "local_grads": local_grads,
+                               "after": [w.numpy() for w in model.trainable_variables]}
+    # broadcast callback keeps local variables
+    model = _keras_dense_model(keras, seed=10 + hvd.rank(), sizes=(6, 5, 3))
+    cb = aqk.BroadcastGlobalVariablesCallback(0, local_variables=model.layers[0].weights)
+    cb.set_model(model)
+    cb.on_train_begin()
+    out["broadcast"] = [w.numpy() for w in model.weights]
+    return out
+
+
+def lr_callbacks():
+    """LearningRateWarmupCallback and LearningRateScheduleCallback on Keras 3: the rate set at
+    every batch (recorded after the callback ran) and logged at epoch ends; momentum correction
+    of SGD with a constant gradient, replayed in pytest with Horovod's one-batch momentum."""
+    tf, hvd = init_tf()
+    import keras
+
+    import horovod_aq
+    import horovod_aq.keras as aqk
+
+    class Recorder(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.rates, self.epoch = [], 0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.rates.append((self.epoch, batch,
+                               float(np.asarray(self.model.optimizer.learning_rate))))
+
+    out = {}
+    xs = np.random.default_rng(hvd.rank()).standard_normal((40, 20)).astype(np.float32)
+    ys = np.zeros(40, np.int64)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    cases = {
+        "warmup": lambda: aqk.LearningRateWarmupCallback(initial_lr=0.4, warmup_epochs=2,
+                                                         momentum_correction=False, verbose=1),
+        "schedule": lambda: aqk.LearningRateScheduleCallback(initial_lr=0.4, multiplier=0.5,
+                                                             start_epoch=1, end_epoch=3),
+    }
+    for label, make in cases.items():
+        model = _keras_dense_model(keras, seed=8)
+        opt = aqk.DistributedOptimizer(keras.optimizers.SGD(0.1), horovod_aq.NoCompression())
+        model.compile(optimizer=opt, loss=loss, jit_compile=False)
+        rec = Recorder()
+        hist = model.fit(xs, ys, batch_size=10, epochs=4, verbose=0, shuffle=False,
+                         callbacks=[make(), rec])
+        out[label] = {"rates": rec.rates, "lr": hist.history["lr"]}
+    # momentum correction: w·g with g constant, SGD(momentum=0.9), rate changing every batch
+    w = keras.Variable(np.zeros(3, np.float32), name="mc_w")
+
+    class Linear(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.w = w
+
+        def call(self, inputs):
+            return tf.reduce_sum(self.w * tf.constant([1.0, -2.0, 0.5])) + 0.0 * inputs[:, :1]
+
+    model = Linear()
+    opt = aqk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                   horovod_aq.NoCompression())
+    model.compile(optimizer=opt, loss=lambda yt, yp: yp, jit_compile=False)
+    cb = aqk.LearningRateScheduleCallback(initial_lr=0.2, multiplier=lambda e: 1.0 + e,
+                                          staircase=False)
+    model.fit(np.zeros((12, 1), np.float32), np.zeros((12, 1), np.float32), batch_size=3,
+              epochs=2, verbose=0, shuffle=False, callbacks=[cb])
+    out["momentum"] = {"w": w.numpy(), "steps": 4}
+    return out
+
+
 ALL_CHECKS = [oracle_allgather_eager, oracle_allgather_graph, oracle_two_phase_eager,
               oracle_two_phase_graph, refit_in_function, checkpoint_resume, stock_tape,
               settings_mismatch, version_mismatch, nonfinite_everywhere, nonfinite_skip,
@@ -473,11 +870,21 @@ MPI_CHECKS = [oracle_allgather_graph, oracle_two_phase_eager, refit_in_function,
               settings_mismatch, version_mismatch, nonfinite_everywhere,
               *((check, {"seeds": TRAIN_SEEDS[:1]}) for check in (keras_fit_alq, custom_loop_alq))]
 CHECKS = {"gloo": ALL_CHECKS, "mpi": MPI_CHECKS}
+#: Horovod's Keras/tape features on Keras 3, in their own launch (``-k features``); under MPI the
+#: ones whose collectives run in a condition (the loss-scale decision, the aggregated exchange).
+FEATURE_CHECKS = {"gloo": [mixed_precision_overflow, embedding_text_model, gradient_aggregation,
+                           optimizer_copies, local_sources, lr_callbacks],
+                  "mpi": [mixed_precision_overflow, gradient_aggregation]}
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"], ids=lambda c: f"{c}-2")
 def launch(request):
     return run_local(CHECKS[request.param], np=2, controller=request.param, timeout=600)
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"], ids=lambda c: f"{c}-2")
+def features(request):
+    return run_local(FEATURE_CHECKS[request.param], np=2, controller=request.param, timeout=600)
 
 
 def _get(launch, check):
@@ -619,7 +1026,8 @@ def test_refit_tables_identical_without_retrace(launch):
 
 def test_checkpoint_resume_is_exact(launch):
     for r in _get(launch, checkpoint_resume):
-        assert r["same_table"] and r["step"] == 2 and r["version"] == 2
+        # the exchange at step 2 ended that step by itself (docs/protocol.md §14)
+        assert r["same_table"] and r["step"] == 3 and r["version"] == 2
         assert r["identical"]
 
 
@@ -696,3 +1104,146 @@ def test_alq_loss_within_5_percent_of_fp32(launch, pair):
         pytest.skip("one seed under MPI (a smoke run); the 5 % bound is on the 3-seed mean")
     reference, loss = _mean_losses(launch, pair)
     assert loss <= 1.05 * reference, (loss, reference)   # ALQ may not be >5 % worse than fp32
+
+
+# ---------------------------------------------------------------- Keras 3 / Horovod features
+def _same_weights(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_features_mixed_precision_overflow_is_skipped_on_every_rank(features):
+    results = _get(features, mixed_precision_overflow)
+    for r in results:
+        assert r["wrapper"] == "LossScaleOptimizer" and r["inner_is_ours"]
+        assert r["skipped"] == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]   # rank 1's batch 3
+        assert r["scale"] == r["initial_scale"] / 2             # one overflow, no growth yet
+        assert r["iterations"] == 7 and r["steps"] == 8          # 8 exchanges, 7 updates
+        assert r["version"] == 2                                 # refits at steps 0 and 2
+        assert all(np.isfinite(w).all() for w in r["weights"])
+    assert results[0]["scale"] == results[1]["scale"]
+    _same_weights(results[0]["weights"], results[1]["weights"])
+
+
+def test_features_embedding_text_model_trains_on_every_path(features):
+    r0, r1 = _get(features, embedding_text_model)
+    assert set(r0) == {"fit", "fit_mixed_float16", "tape_function", "tape_eager"}
+    for mode in r0:
+        _same_weights(r0[mode]["weights"], r1[mode]["weights"])
+        assert all(np.isfinite(loss) for loss in r0[mode]["loss"])
+    for mode in ("fit", "fit_mixed_float16"):
+        assert r0[mode]["moved"] > 1e-3 and r0[mode]["steps"] == 8
+        assert any("embeddings" in name for names in r0[mode]["buckets"] for name in names)
+    for mode in ("tape_function", "tape_eager"):
+        assert r0[mode]["steps"] == 4
+    for a, b in zip(r0["tape_function"]["weights"], r0["tape_eager"]["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)  # graph vs eager float rounding
+
+
+def _expected_aggregation(calls, passes, average, ranks):
+    """Horovod's semantics for x - r·y[0] on rank r = 1..P with SGD(1.0): (x, y, iterations,
+    exchanges) after each call."""
+    out = []
+    for call in range(1, calls + 1):
+        k = call // passes
+        scale = 1 if average else passes
+        dx, dy0 = 1.0, -(ranks + 1) / 2.0
+        out.append((0.0 - k * scale * dx, [1.0 - k * scale * dy0, 2.0], call, k))
+    return out
+
+
+def test_features_gradient_aggregation_has_horovods_semantics(features):
+    r0, r1 = _get(features, gradient_aggregation)
+    for average in (True, False):
+        want = _expected_aggregation(10, 4, average, 2)
+        for path in ("keras", "tape"):
+            assert r0[f"{path}-{average}"] == want, (path, average)
+            assert r1[f"{path}-{average}"] == want
+    fit = r0["fit"]
+    assert fit["iterations"] == 24 and fit["steps"] == 12 and fit["pending"] == 0
+    assert fit["version"] == 2            # the schedule counts exchanges: refits at 0 and 2
+    _same_weights(fit["weights"], r1["fit"]["weights"])
+
+
+def test_features_optimizer_copies_and_saved_models(features):
+    r0, r1 = _get(features, optimizer_copies)
+    # two SGD(0.1, momentum=0.9) steps with the average gradient 1.5 from 1.0
+    m1 = -0.1 * 1.5
+    expected = 1.0 + m1 + (0.9 * m1 - 0.1 * 1.5)
+    for r in (r0, r1):
+        for label in ("class", "instance"):
+            assert r[label]["config_equal"] and r[label]["same_compressor"]
+            np.testing.assert_allclose(r[label]["value"], expected, rtol=1e-6)
+        assert r["plain"] == {"class": "SGD", "distributed": False, "iterations": 4}
+        assert r["loaded"]["class"] == "SGD" and r["loaded"]["same_compressor"]
+        assert r["loaded"]["iterations"] == 8        # restored 4, then 4 more steps
+    _same_weights(r0["clone"], r1["clone"])
+    _same_weights(r0["loaded"]["weights"], r1["loaded"]["weights"])
+
+
+def test_features_local_sources_are_not_averaged(features):
+    r0, r1 = _get(features, local_sources)
+    coef = [1.0, 2.0]
+    for scale in (True, False):
+        for r, c in zip((r0, r1), coef):
+            t = r[f"tape-{scale}"]
+            assert t["local_is"]
+            np.testing.assert_allclose(t["local"], (np.arange(3) + c) / (2 if scale else 1))
+            np.testing.assert_allclose(t["global"], np.arange(4) * 1.5)
+    # PartialDistributedGradientTape: layer 0 (kernel, bias) local, the rest averaged
+    plain = [r0["partial_tape"]["plain"], r1["partial_tape"]["plain"]]
+    for r, own in zip((r0, r1), plain):
+        got = r["partial_tape"]["partial"]
+        for i, g in enumerate(got):
+            want = own[i] / 2 if i < 2 else (plain[0][i] + plain[1][i]) / 2
+            np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-7)
+    for label in ("partial", "register"):
+        a, b = r0[f"opt-{label}"], r1[f"opt-{label}"]
+        for i in range(len(a["after"])):
+            if i < 2:     # local: own gradient / size
+                for r in (a, b):
+                    np.testing.assert_allclose(r["after"][i],
+                                               r["before"][i] - r["local_grads"][i] / 2,
+                                               rtol=1e-6, atol=1e-7)
+                assert not np.array_equal(a["after"][i], b["after"][i])
+            else:         # shared: the average
+                mean = (a["local_grads"][i] + b["local_grads"][i]) / 2
+                np.testing.assert_allclose(a["after"][i], a["before"][i] - mean,
+                                           rtol=1e-6, atol=1e-7)
+                np.testing.assert_array_equal(a["after"][i], b["after"][i])
+    w0, w1 = r0["broadcast"], r1["broadcast"]
+    assert not np.array_equal(w0[0], w1[0])    # the local kernel kept (biases start at 0)
+    _same_weights(w0[2:], w1[2:])                                                   # broadcast
+
+
+def test_features_learning_rate_callbacks(features):
+    r0, r1 = _get(features, lr_callbacks)
+    assert r0["warmup"] == r1["warmup"] and r0["schedule"] == r1["schedule"]
+    size, spe, warmup, lr = 2, 4, 2, 0.4
+
+    def warm(epoch, batch):
+        e = epoch + batch / spe + 1 / spe
+        return lr / size * (e * (size - 1) / warmup + 1)
+
+    rates = r0["warmup"]["rates"]
+    assert [(e, b) for e, b, _ in rates] == [(e, b) for e in range(4) for b in range(spe)]
+    for e, b, got in rates:
+        want = warm(e, b) if e < warmup else warm(warmup - 1, spe - 1)
+        assert got == pytest.approx(want, rel=1e-6), (e, b)
+    assert r0["warmup"]["lr"] == pytest.approx([warm(0, 3), lr, lr, lr], rel=1e-6)
+    sched = {(e, b): got for e, b, got in r0["schedule"]["rates"]}
+    for (e, b), got in sched.items():
+        want = {0: 0.1, 1: 0.4, 2: 0.2, 3: 0.2}[e]
+        assert got == pytest.approx(want, rel=1e-6), (e, b)
+    assert r0["schedule"]["lr"] == pytest.approx([0.1, 0.4, 0.2, 0.2], rel=1e-6)
+    # momentum correction, replayed with Horovod's rule: momentum·η'/η for the batch
+    g = np.array([1.0, -2.0, 0.5])
+    w, v, old = np.zeros(3), np.zeros(3), 0.1
+    for epoch in range(2):
+        for batch in range(r0["momentum"]["steps"]):
+            new = 0.2 * (1.0 + epoch + batch / 4)
+            v = 0.9 * new / old * v - new * g
+            w, old = w + v, new
+    for r in (r0, r1):
+        np.testing.assert_allclose(r["momentum"]["w"], w, rtol=1e-5)

@@ -350,16 +350,27 @@ def test_decode_reads_the_torch_kernels_payloads():
         torch_kernels.decode_average(rows.cpu(), table))
 
 
-def test_corrupt_codes_decode_to_nan_like_the_torch_kernels(monkeypatch):
+@pytest.mark.parametrize("corrupt", ["code", "negative-norm", "nan-norm", "inf-norm"])
+def test_corrupt_payloads_are_refused_like_the_oracle(monkeypatch, corrupt):
     table = LevelTable([-1.0, -0.2, 0.1, 0.7, 1.0], 1)  # 3 bits, codes 5..7 are invalid
     payload = oracle(sample(64, 64, seed=15), table, 64, "l2", StreamKey(seed=1))
-    payload[-1] = 0xFF
-    ours = tk.decode(torch.from_numpy(payload).to(DEVICE), table).cpu()
-    # the torch ops (on CPU the dispatch would run the fused kernel, which refuses the payload
-    # like the oracle): neither device kernel syncs to check every code
-    monkeypatch.setattr(torch_kernels, "IMPLEMENTATION", "ops")
-    theirs = torch_kernels.decode(torch.from_numpy(payload), table)
-    assert torch.equal(torch.isnan(ours), torch.isnan(theirs)) and bool(torch.isnan(ours).any())
+    if corrupt == "code":
+        payload[-1] = 0xFF
+    else:
+        value = {"negative-norm": -1.0, "nan-norm": np.nan, "inf-norm": np.inf}[corrupt]
+        payload[32:36] = np.frombuffer(np.float32(value).tobytes(), np.uint8)
+    good = oracle(sample(64, 64, seed=16), table, 64, "l2", StreamKey(seed=2))
+    monkeypatch.setattr(torch_kernels, "IMPLEMENTATION", "ops")  # the torch ops, not fused
+    for decode, args in ((tk.decode, (payload,)), (tk.decode_average, (good, payload))):
+        rows = np.stack(args) if len(args) > 1 else args[0]
+        oracle_decode = codec.decode if len(args) == 1 else codec.decode_average
+        torch_decode = (torch_kernels.decode if len(args) == 1
+                        else torch_kernels.decode_average)
+        message = same_error(lambda: decode(torch.from_numpy(rows).to(DEVICE), table),
+                             lambda: oracle_decode(rows, table))
+        same_error(lambda: torch_decode(torch.from_numpy(rows), table),
+                   lambda: oracle_decode(rows, table))
+        assert ("code 7" if corrupt == "code" else "negative or non-finite") in message
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -507,3 +518,28 @@ def test_gpu_check_dry_run_writes_a_table(tmp_path):
     text = out.read_text()
     assert "| op |" in text and "encode" in text and "decode_average" in text
     assert "packed step" in text and "dry run" in text
+
+
+# ------------------------------------------------------------------------------------ checksum
+@pytest.mark.parametrize("n", [0, 1, 700])
+def test_checksummed_payloads_are_the_oracles_and_are_verified(n):
+    table, key = table_for(3, version=6), StreamKey(seed=8, rank=1, step=2)
+    x = sample(n, 64, seed=21) if n else np.zeros(0, np.float32)
+    want = codec.encode(x, table, bucket_size=64, key=key, checksum=True)
+    got = tk.encode(torch.from_numpy(x).to(DEVICE), table, bucket_size=64, key=key,
+                    checksum=True)
+    assert as_bytes(got) == want.tobytes()
+    out = torch.empty(want.size, dtype=torch.uint8, device=DEVICE)
+    tk.encode(torch.from_numpy(x).to(DEVICE), table, bucket_size=64, key=key, checksum=True,
+              out=out)
+    assert as_bytes(out) == want.tobytes()
+    if not n:
+        return
+    bad = want.copy()
+    bad[33] ^= 0x80  # the sign of bucket 0's norm
+    rows = np.stack([want, bad])
+    same_error(lambda: tk.decode_average(torch.from_numpy(rows).to(DEVICE), table),
+               lambda: codec.decode_average(rows, table))
+    same_error(lambda: tk.decode(torch.from_numpy(bad).to(DEVICE), table),
+               lambda: codec.decode(bad, table))
+    assert as_bytes(tk.decode(got, table)) == codec.decode(want, table).tobytes()

@@ -29,14 +29,15 @@ offset type   field
 2      u8     format version (``FORMAT_VERSION`` = 2)
 3      u8     bits b per code, 1..8 (= ⌈log₂ N⌉ of the table)
 4      u8     norm: 0 = l2, 1 = linf (``NORM_CODES``)
-5      u8     flags: 0, or ``FLAG_NONFINITE`` (1) — see "Non-finite input" (``FLAGS_OFFSET``)
+5      u8     flags: 0, ``FLAG_NONFINITE`` (1) — see "Non-finite input" — or
+              ``FLAG_CHECKSUM`` (2) — see "Checksum" (``FLAGS_OFFSET``)
 6      u16    N, number of levels in the table
 8      u32    level-table version (bytes 8..16 = ``TABLE_ID_SLICE``, what a refit changes)
 12     u32    level-table hash (CRC-32 of the float64 levels, ``LevelTable.hash``)
 16     u32    bucket size B
 20     u64    element count n
 28     u32    0; with ``FLAG_NONFINITE``: index of the first non-finite input element
-              (``MARKER_INDEX_OFFSET``)
+              (``MARKER_INDEX_OFFSET``); with ``FLAG_CHECKSUM``: the CRC-32 (``CHECKSUM_OFFSET``)
 ====== ====== ================================================================
 
 The header is 32 bytes, a multiple of 4, so NORMS start 4-aligned in a freshly encoded payload.
@@ -50,6 +51,16 @@ Non-finite input. ``encode`` refuses non-finite values. A rank that meets one se
 ``FLAG_NONFINITE`` and the first bad index in the last field, zeros elsewhere), so every rank sees
 it in the same gathered rows and raises (``NonFiniteGradientError``) or skips the step alike.
 
+Checksum (optional). With ``FLAG_CHECKSUM`` the last header field holds the CRC-32 (IEEE 802.3,
+``zlib.crc32``) of every other byte of the payload: bytes 0..27, then bytes 32..size−1 (the norms
+and the codes), ``payload_checksum``. Encoders write it when asked (``checksum=True``;
+``seal_checksum``), every decoder verifies it before reading the data (``check_checksum``); a
+payload without the flag is not verified. The layout and the size do not change.
+
+Bounded decoding. A header may state any bucket size B ≤ 2³² − 1 for any n (B > n is one bucket of
+n elements); decoders size per-bucket work by ``Header.span`` = min(B, n), never by B, so the
+memory of a decode is bounded by the payload size and n (``check_size`` ties both to the buffer).
+
 Errors: invalid input raises ``ValueError`` (payload problems: ``PayloadError``, a subclass) before
 anything is drawn or written, with a message naming the field, both values and what to do. The
 validators and messages below (``check_*``, ``*_message``) are shared by every kernel.
@@ -60,6 +71,7 @@ This module imports numpy only, never torch or tensorflow.
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -69,14 +81,16 @@ import numpy as np
 from horovod_aq.levels.table import MAX_BITS, LevelTable
 
 __all__ = [
-    "CODES_PER_GROUP", "FLAGS_OFFSET", "FLAG_NONFINITE", "FLOAT32_TINY", "FORMAT_VERSION",
-    "HEADER_FIELDS", "HEADER_FORMAT", "HEADER_SIZE", "MAGIC", "MARKER_INDEX_OFFSET",
-    "MAX_BUCKET_SIZE", "MAX_NUMEL", "NORM_BYTES", "NORM_CODES", "NORM_NAMES", "TABLE_ID_SLICE",
-    "Header", "NonFiniteGradientError", "PayloadError", "as_bytes", "as_table", "check_bits",
-    "check_bucket_size", "check_finite", "check_header", "check_int", "check_norm", "check_norms",
-    "check_size", "float32_levels", "make_header", "non_finite_message", "nonfinite_payload",
-    "nonfinite_rows", "norm_overflow_message", "num_buckets", "packed_size", "parse_header",
-    "payload_size",
+    "CHECKSUM_OFFSET", "CODES_PER_GROUP", "FLAGS_OFFSET", "FLAG_CHECKSUM", "FLAG_NONFINITE",
+    "FLOAT32_TINY", "FORMAT_VERSION", "HEADER_FIELDS", "HEADER_FORMAT", "HEADER_SIZE", "Header",
+    "MAGIC", "MARKER_INDEX_OFFSET", "MAX_BUCKET_SIZE", "MAX_NUMEL", "NORM_BYTES", "NORM_CODES",
+    "NORM_NAMES", "NonFiniteGradientError", "PayloadError", "TABLE_ID_SLICE", "as_bytes",
+    "as_table", "bad_code_message", "bad_norm_message", "check_bits", "check_bool",
+    "check_bucket_size", "check_checksum", "check_finite", "check_header", "check_int",
+    "check_norm", "check_norms", "check_payload_norms", "check_size", "float32_levels",
+    "make_header", "non_finite_message", "nonfinite_payload", "nonfinite_rows",
+    "norm_overflow_message", "num_buckets", "packed_size", "parse_header", "payload_checksum",
+    "payload_size", "seal_checksum",
 ]
 
 MAGIC = b"AQ"
@@ -85,6 +99,11 @@ MAGIC = b"AQ"
 FORMAT_VERSION = 2
 #: Header flag: the sender's input had non-finite values; the payload carries no data.
 FLAG_NONFINITE = 1
+#: Header flag: the last header field holds the CRC-32 of the rest of the payload
+#: (``payload_checksum``); every decoder verifies it. A marker never carries it.
+FLAG_CHECKSUM = 2
+#: The flags values a decoder of this build reads.
+KNOWN_FLAGS = (0, FLAG_NONFINITE, FLAG_CHECKSUM)
 HEADER_FORMAT = "<2sBBBBHIIIQI"  # magic, version, bits, norm, flags, N, tver, thash, B, n, reserved
 HEADER_SIZE = struct.calcsize(HEADER_FORMAT)
 #: Every header field: its name (as error messages spell it) → its bytes, in header order.
@@ -108,6 +127,8 @@ TABLE_ID_SLICE = slice(HEADER_FIELDS["level-table version"].start,
                        HEADER_FIELDS["level-table hash"].stop)
 #: A non-finite marker's index of the first bad element (u32, the last header field).
 MARKER_INDEX_OFFSET = HEADER_FIELDS["reserved"].start
+#: With ``FLAG_CHECKSUM``: the payload's CRC-32 (u32, the same last header field).
+CHECKSUM_OFFSET = HEADER_FIELDS["reserved"].start
 NORM_BYTES = 4  # one float32 per bucket
 NORM_CODES: Mapping[str, int] = {"l2": 0, "linf": 1}
 NORM_NAMES: Mapping[int, str] = {code: name for name, code in NORM_CODES.items()}
@@ -142,6 +163,13 @@ def check_int(name: str, value: Any, lo: int, hi: int) -> int:
     if not lo <= value <= hi:
         raise ValueError(f"{name} must be in {lo}..{hi}, got {value}")
     return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` as a bool, or ``TypeError`` naming ``name`` unless it is True or False."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def check_bits(bits: Any) -> int:
@@ -266,14 +294,28 @@ class Header:
     bucket_size: int
     numel: int
     first_nonfinite: int | None = None  #: set on a non-finite marker
+    checksum: int | None = None  #: the stored CRC-32, set with ``FLAG_CHECKSUM``
 
     @property
     def nonfinite(self) -> bool:
         return bool(self.flags & FLAG_NONFINITE)
 
     @property
+    def checksummed(self) -> bool:
+        """Whether the payload carries a CRC-32 that decoders verify (``FLAG_CHECKSUM``)."""
+        return bool(self.flags & FLAG_CHECKSUM)
+
+    @property
     def num_buckets(self) -> int:
         return num_buckets(self.numel, self.bucket_size)
+
+    @property
+    def span(self) -> int:
+        """min(B, n) (1 when n = 0): the length of the longest bucket actually present.
+
+        Decoders size per-bucket work by it, never by B: a header may state B = 2³² − 1 for a
+        single element, and a temporary of B elements would then be 16 GiB."""
+        return max(1, min(self.bucket_size, self.numel))
 
     @property
     def payload_size(self) -> int:
@@ -289,18 +331,22 @@ class Header:
 
 
 def make_header(numel: int, table: LevelTable, bucket_size: int, norm: str, *,
-                first_nonfinite: int | None = None) -> bytes:
+                first_nonfinite: int | None = None, checksum: bool = False) -> bytes:
     """The 32 header bytes of a payload of ``numel`` elements encoded with ``table``
-    (of a non-finite marker when ``first_nonfinite`` is given)."""
+    (of a non-finite marker when ``first_nonfinite`` is given). ``checksum``: set
+    ``FLAG_CHECKSUM`` and leave the CRC field 0, for ``seal_checksum`` to fill once the data
+    is written."""
     table = as_table(table)
     marker = first_nonfinite is not None
+    if marker and checksum:
+        raise ValueError("a non-finite marker carries no checksum (it has no data)")
     return struct.pack(
         HEADER_FORMAT,
         MAGIC,
         FORMAT_VERSION,
         table.bits,
         NORM_CODES[check_norm(norm)],
-        FLAG_NONFINITE if marker else 0,
+        FLAG_NONFINITE if marker else (FLAG_CHECKSUM if checksum else 0),
         table.num_levels,
         table.version,
         table.hash,
@@ -329,7 +375,9 @@ def parse_header(buf: Any) -> Header:
     """Decode and check the first 32 bytes of a payload.
 
     Raises ``PayloadError`` for a buffer shorter than the header, a wrong magic, an unsupported
-    format version, bits outside 1..8, an unknown norm code or non-zero reserved fields.
+    format version, bits outside 1..8, an unknown norm code, unknown flags, a non-zero reserved
+    field without a flag that gives it a meaning, a bucket size 0 or an impossible number of
+    levels. Nothing here depends on the size of B: see ``Header.span``.
     """
     data = as_bytes(buf)
     if data.size < HEADER_SIZE:
@@ -354,7 +402,7 @@ def parse_header(buf: Any) -> Header:
     if norm not in NORM_NAMES:
         raise PayloadError(f"payload header has unknown norm code {norm}; "
                            f"known: {dict(NORM_NAMES)}")
-    if flags not in (0, FLAG_NONFINITE) or (reserved != 0 and flags != FLAG_NONFINITE):
+    if flags not in KNOWN_FLAGS or (reserved != 0 and flags == 0):
         raise PayloadError(
             f"payload header has reserved fields set (flags {flags}, reserved {reserved}); it was "
             "written by a newer format revision"
@@ -364,7 +412,8 @@ def parse_header(buf: Any) -> Header:
     if not 2 <= nlev <= 1 << bits:
         raise PayloadError(f"payload header has {nlev} levels, impossible with {bits} bits")
     return Header(version, bits, NORM_NAMES[norm], flags, nlev, tver, thash, bsize, numel,
-                  reserved if flags == FLAG_NONFINITE else None)
+                  reserved if flags == FLAG_NONFINITE else None,
+                  reserved if flags == FLAG_CHECKSUM else None)
 
 
 def check_header(
@@ -421,3 +470,72 @@ def check_size(header: Header, actual: int, what: str = "payload") -> None:
             f"{what} is {kind}: {actual} bytes, but its header (n={header.numel}, "
             f"bits={header.bits}, bucket_size={header.bucket_size}) requires {expected}"
         )
+
+
+# ------------------------------------------------------------------------------------ checksum
+
+
+def payload_checksum(buf: Any) -> int:
+    """CRC-32 (IEEE 802.3, ``zlib.crc32``) of bytes 0..27 and then 32..size−1 of a payload:
+    everything but the CRC field itself (the norms and codes, and the header with its flags)."""
+    data = np.ascontiguousarray(as_bytes(buf))
+    return zlib.crc32(data[HEADER_SIZE:], zlib.crc32(data[:CHECKSUM_OFFSET])) & 0xFFFFFFFF
+
+
+def seal_checksum(buf: np.ndarray) -> np.ndarray:
+    """Set ``FLAG_CHECKSUM`` in a freshly encoded payload (a writeable 1-D uint8 array) and
+    write its CRC-32 into bytes 28..31; returns ``buf``. A non-finite marker is refused."""
+    if buf.dtype != np.uint8 or buf.ndim != 1 or buf.size < HEADER_SIZE:
+        raise PayloadError(f"seal_checksum needs a 1-D uint8 payload, got dtype {buf.dtype} and "
+                           f"shape {buf.shape}")
+    if buf[FLAGS_OFFSET] not in (0, FLAG_CHECKSUM):
+        raise PayloadError(f"cannot checksum a payload with flags {int(buf[FLAGS_OFFSET])} (a "
+                           "non-finite marker carries no data)")
+    buf[FLAGS_OFFSET] = FLAG_CHECKSUM
+    buf[CHECKSUM_OFFSET:HEADER_SIZE] = np.frombuffer(
+        struct.pack("<I", payload_checksum(buf)), np.uint8)
+    return buf
+
+
+def checksum_message(stored: int, actual: int, size: int) -> str:
+    """The error message of a payload whose data does not match its CRC-32."""
+    return (
+        f"payload checksum mismatch: its header holds CRC-32 {stored:08x} but its bytes "
+        f"(0..27 and 32..{size - 1}) hash to {actual:08x}; the payload was corrupted in memory "
+        "or in transit"
+    )
+
+
+def check_checksum(buf: Any, header: Header) -> None:
+    """``PayloadError`` if ``header`` carries ``FLAG_CHECKSUM`` and the size-checked payload's
+    bytes do not hash to the stored CRC-32 (``payload_checksum``); no-op without the flag."""
+    if not header.checksummed:
+        return
+    actual = payload_checksum(buf)
+    if actual != header.checksum:
+        raise PayloadError(checksum_message(header.checksum, actual, as_bytes(buf).size))
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+def bad_norm_message(bucket: int, value: float, num_buckets: int) -> str:
+    """The error message of a payload whose bucket norm is negative, NaN or ±Inf."""
+    return (f"payload holds a negative or non-finite bucket norm: {value!r} in bucket {bucket} "
+            f"of {num_buckets} (corrupted data)")
+
+
+def bad_code_message(code: int, num_levels: int) -> str:
+    """The error message of a payload holding a code ≥ N (the largest such code)."""
+    return (f"payload holds code {code} but the table has {num_levels} levels "
+            "(corrupted data)")
+
+
+def check_payload_norms(norms: np.ndarray) -> None:
+    """``PayloadError`` (``bad_norm_message``) unless every decoded bucket norm is finite and
+    ≥ 0 (an encoder never writes another; −0.0 is accepted)."""
+    norms = np.asarray(norms, dtype=np.float32)
+    bad = ~(np.isfinite(norms) & (norms >= 0))
+    if bad.any():
+        k = int(np.argmax(bad))
+        raise PayloadError(bad_norm_message(k, float(norms[k]), norms.size))

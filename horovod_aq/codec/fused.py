@@ -6,7 +6,9 @@ output bytes; ``decode`` / ``decode_average`` unpack, look up, scale and accumul
 rank order in one pass. Bytes and values are identical, bit for bit, to the numpy oracle
 ``horovod_aq.codec.reference`` (``encode(..., uniforms=stream_uniforms(n, key))``, ``decode``,
 ``decode_average``), and bad input raises the oracle's own errors and messages (the wrapper
-runs the oracle on input the kernel refuses). The format is ``docs/format.md``.
+runs the oracle on input the kernel refuses). The format is ``docs/format.md``. With
+``checksum=True`` the encoders write the payload's CRC-32 (``codec.seal_checksum``, zlib on the
+output buffer) and the decoders verify every checksummed row before the kernel runs.
 
 Why numba: one ~60 MB wheel from PyPI (numba + llvmlite), no C compiler on a fresh machine, and
 the arithmetic stays readable Python. Kernels are specialized per code width b (constant loop
@@ -29,12 +31,16 @@ import numpy as np
 
 from horovod_aq.codec import reference
 from horovod_aq.codec.format import (
+    FLAG_CHECKSUM,
+    FLAGS_OFFSET,
     HEADER_SIZE,
     NORM_BYTES,
     PayloadError,
     as_bytes,
     as_table,
+    check_bool,
     check_bucket_size,
+    check_checksum,
     check_header,
     check_norm,
     check_size,
@@ -42,6 +48,7 @@ from horovod_aq.codec.format import (
     make_header,
     parse_header,
     payload_size,
+    seal_checksum,
 )
 from horovod_aq.codec.fused_kernels import (
     _CELL_SHIFT,
@@ -134,9 +141,11 @@ def encode(
     norm: str = "l2",
     key: StreamKey,
     out: np.ndarray | None = None,
+    checksum: bool = False,
 ) -> np.ndarray:
     """Quantize and pack x into one payload, byte-identical to the oracle's
-    ``encode(x, table, bucket_size=, norm=, uniforms=stream_uniforms(x.size, key))``.
+    ``encode(x, table, bucket_size=, norm=, uniforms=stream_uniforms(x.size, key),
+    checksum=checksum)``.
 
     Args:
         x: gradient of any shape, floating point (cast once to float32), finite.
@@ -145,7 +154,9 @@ def encode(
         norm: ``"l2"`` or ``"linf"``.
         key: the ``StreamKey`` whose Philox stream draws the uniforms.
         out: optional uint8 buffer of exactly ``payload_size(n, bits, B)`` bytes to write into.
+        checksum: write ``FLAG_CHECKSUM`` and the CRC-32 (``codec.payload_checksum``).
     """
+    checksum = check_bool("checksum", checksum)
     table = as_table(table)
     bucket_size = check_bucket_size(bucket_size)
     norm = check_norm(norm)
@@ -179,7 +190,7 @@ def encode(
     if not aligned:
         section[:] = norms.astype("<f4").view(np.uint8)
     buf[:HEADER_SIZE] = np.frombuffer(make_header(n, table, bucket_size, norm), np.uint8)
-    return buf
+    return seal_checksum(buf) if checksum else buf
 
 
 def _run_encoder(flat: np.ndarray, levels: np.ndarray, bits: int, bucket_size: int, norm: str,
@@ -246,6 +257,7 @@ def decode(
     header = parse_header(data)
     check_header(header, table, numel=numel, bucket_size=bucket_size, norm=norm)
     check_size(header, data.size)
+    check_checksum(data, header)
     result = _decode_rows(data.reshape(1, -1), header, table, False, out, dtype)
     if result is None:
         _raise_like_oracle(reference.decode, data, table)
@@ -263,7 +275,7 @@ def decode_average(
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Average of the decoded rows of a gathered ``[P, size]`` uint8 buffer, bitwise
-    ``codec.decode_average``: rows summed sequentially in rank order in float32, then / P.
+    ``codec.decode_average``: each row / P, then summed sequentially in rank order in float32.
 
     Headers are checked with ``codec.check_rows`` (errors name the rank). ``out``: float32 (n,).
     """
@@ -276,9 +288,10 @@ def decode_average(
             f"gathered payloads must be a non-empty [P, size] uint8 array, got dtype {rows.dtype} "
             f"and shape {rows.shape}"
         )
-    headers = [parse_header(row) for row in rows]
+    headers = reference.parse_rows(rows)
     first = reference.check_rows(headers, table, rows.shape[1], numel=numel,
                                  bucket_size=bucket_size, norm=norm)
+    reference.check_checksums(rows, headers)
     result = _decode_rows(rows, first, table, True, out, dtype)
     if result is None:
         _raise_like_oracle(reference.decode_average, rows, table)
@@ -287,11 +300,12 @@ def decode_average(
 
 # ------------------------------------------------------------------ for traced graphs
 def encode_with(x: Any, levels_f32: Any, header_u8: Any, *, bits: int, bucket_size: int,
-                norm: str, key: Any) -> np.ndarray:
+                norm: str, key: Any, checksum: bool = False) -> np.ndarray:
     """``encode`` with the table as a traced graph holds it: float32 levels and the 32 header
     bytes (TensorFlow variables, read per step), and the key as ``StreamKey.scalars()`` (the
     step read in-graph). The caller has checked the input (finite values); a non-finite value
-    or an overflowing norm raises ValueError here."""
+    or an overflowing norm raises ValueError here. ``checksum``: seal the payload
+    (``codec.seal_checksum``: the flag is set in the copied header bytes)."""
     flat = _flat_float32(x)
     levels = np.ascontiguousarray(levels_f32, dtype=np.float32)
     n = flat.size
@@ -306,19 +320,28 @@ def encode_with(x: Any, levels_f32: Any, header_u8: Any, *, bits: int, bucket_si
                          f"norm beyond float32 at element {status}")
     buf[:HEADER_SIZE] = np.asarray(header_u8, dtype=np.uint8)
     buf[HEADER_SIZE:codes_offset] = norms.astype("<f4").view(np.uint8)
-    return buf
+    return seal_checksum(buf) if checksum else buf
 
 
 def decode_average_with(rows: Any, levels_f32: Any, *, numel: int, bits: int,
                         bucket_size: int) -> np.ndarray:
     """``decode_average`` of rows whose headers the traced graph has checked against its own
-    (``horovod_aq.tensorflow.checks``), with the float32 levels of a graph variable. A row with
-    an invalid norm or code raises ValueError."""
+    (``horovod_aq.tensorflow.checks``), with the float32 levels of a graph variable. Rows with
+    ``FLAG_CHECKSUM`` are verified first; a bad checksum, norm or code raises the oracle's
+    ``PayloadError`` ("rank r: …", as ``codec.decode_average``)."""
     rows = np.ascontiguousarray(rows, dtype=np.uint8)
+    levels = np.asarray(levels_f32, dtype=np.float32)
+    if rows.size and np.any(rows[:, FLAGS_OFFSET] & FLAG_CHECKSUM):
+        reference.check_checksums(rows, [parse_header(row) for row in rows])
     result = np.empty(numel, np.float32)
-    if not _run_decoder(rows, np.asarray(levels_f32, dtype=np.float32), numel, bits,
-                        bucket_size, True, result):
-        raise ValueError("horovod_aq: a gathered payload holds a negative or non-finite norm or "
-                         "a code beyond the level table")
+    if not _run_decoder(rows, levels, numel, bits, bucket_size, True, result):
+        for rank, row in enumerate(rows):  # the error path: the oracle's checks and messages
+            try:
+                reference.check_data(row, parse_header(row), levels.size)
+            except PayloadError as err:
+                reference._name_rank(err, rank)
+                raise
+        raise PayloadError("horovod_aq: a gathered payload holds a negative or non-finite norm "
+                           "or a code beyond the level table")
     return result
 

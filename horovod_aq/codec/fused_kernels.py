@@ -394,14 +394,30 @@ def _unpack(src, ngroups, words, bits):
 
 
 @njit(inline="always", **_JIT)
-def _scale_levels(codes, lut, nrm, out, first):
-    """out[t] = nrm · L[codes[t]] (``first``) or out[t] + nrm · L[codes[t]], in float32."""
-    if first:
-        for t in range(out.size):
-            out[t] = nrm * lut[codes[t]]
+def _scale_levels(codes, lut, nrm, out, first, divide, pow2, inv, pf):
+    """out[t] = v_t (``first``) or out[t] + v_t in float32, v_t = nrm · L[codes[t]], divided
+    by P first when ``divide`` (x / 2^k == x · 2^−k exactly, so a power of two multiplies)."""
+    if not divide:
+        if first:
+            for t in range(out.size):
+                out[t] = nrm * lut[codes[t]]
+        else:
+            for t in range(out.size):
+                out[t] = out[t] + nrm * lut[codes[t]]
+    elif pow2:
+        if first:
+            for t in range(out.size):
+                out[t] = (nrm * lut[codes[t]]) * inv
+        else:
+            for t in range(out.size):
+                out[t] = out[t] + (nrm * lut[codes[t]]) * inv
     else:
-        for t in range(out.size):
-            out[t] = out[t] + nrm * lut[codes[t]]
+        if first:
+            for t in range(out.size):
+                out[t] = (nrm * lut[codes[t]]) / pf
+        else:
+            for t in range(out.size):
+                out[t] = out[t] + (nrm * lut[codes[t]]) / pf
 
 
 @njit(inline="always", **_JIT)
@@ -417,9 +433,10 @@ def _make_decoder(bits: int):
     @njit(**_JIT)
     def kernel(flat_rows, row_size, codes_offset, n, bucket_size, lut, num_levels, norms,
                divide, out):
-        """out = Σ_p n_p·L[code_p] sequentially in rank order (float32), then / P if
-        ``divide``. Returns False if a code is not in the table (the wrapper then raises the
-        oracle's error)."""
+        """out = Σ_p (n_p·L[code_p]) / P sequentially in rank order (float32; no division
+        unless ``divide``): each row is divided before it is added, so a sum of large values
+        cannot overflow. Returns False if a code is not in the table (the wrapper then raises
+        the oracle's error)."""
         nrows = flat_rows.size // row_size
         nbytes = (n * bits + 7) // 8
         cbuf = np.zeros(_CHUNK + 8, dtype=np.uint8)
@@ -430,6 +447,7 @@ def _make_decoder(bits: int):
         pf = np.float32(nrows)
         inv = _F32_ONE / pf
         pow2 = (nrows & (nrows - 1)) == 0  # x / 2^k == x · 2^−k exactly
+        div = divide and nrows > 1
         a0 = 0
         while a0 < n:
             cnt = min(_CHUNK, n - a0)
@@ -454,17 +472,10 @@ def _make_decoder(bits: int):
                 k = a0 // bucket_size
                 while i < end:
                     seg = min(end, (k + 1) * bucket_size)
-                    _scale_levels(codes[i - a0:seg - a0], lut, norms[p, k], out[i:seg], p == 0)
+                    _scale_levels(codes[i - a0:seg - a0], lut, norms[p, k], out[i:seg], p == 0,
+                                  div, pow2, inv, pf)
                     i = seg
                     k += 1
-            if divide and nrows > 1:
-                acc = out[a0:a0 + cnt]
-                if pow2:
-                    for t in range(cnt):
-                        acc[t] = acc[t] * inv
-                else:
-                    for t in range(cnt):
-                        acc[t] = acc[t] / pf
             a0 += cnt
         return not (check and cmax >= num_levels)
 

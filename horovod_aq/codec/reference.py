@@ -30,10 +30,12 @@ Arithmetic (bit-identical in numpy, PyTorch and TensorFlow)
    per-coordinate variance is n²·(L_{j+1} − r)(r − L_j) (``rounding_variance``).
 5. Codes are packed as in the format (``horovod_aq.codec.bits``).
 6. Decoding: x̂_i = n_k · L_{code_i} in float32. A zero bucket decodes to zeros (±0.0).
-7. Averaging P gathered payloads (rows in rank order): acc = x̂⁽⁰⁾, then acc = acc + x̂⁽ᵖ⁾ for
-   p = 1, …, P−1 in float32, *sequentially* (a tree sum over ranks has no specified order), then
-   avg = acc / P (float32 division), then a cast to the requested dtype. Every rank and every
-   framework obtains the same bits.
+7. Averaging P gathered payloads (rows in rank order): each decoded row is divided by P first
+   (float32 division), then acc = x̂⁽⁰⁾/P and acc = acc + x̂⁽ᵖ⁾/P for p = 1, …, P−1 in float32,
+   *sequentially* (a tree sum over ranks has no specified order), then a cast to the requested
+   dtype. Dividing before summing keeps the average finite whenever every row is (P rows of
+   ~3e38 would overflow a float32 sum); for P a power of two it is bitwise the sum divided by P
+   (outside the subnormal range). Every rank and every framework obtains the same bits.
 8. Uniforms: u_i is coordinate i of the format's counter-based stream of a
    :class:`~horovod_aq.codec.stream.StreamKey` (seed, rank, step, bucket, part; Philox4x32-10,
    ``horovod_aq.codec.stream``): pass ``key=`` and every kernel produces the same bytes. Explicit
@@ -64,23 +66,31 @@ from horovod_aq.codec.format import (
     PayloadError,
     as_bytes,
     as_table,
+    bad_code_message,
+    check_bool,
     check_bucket_size,
+    check_checksum,
     check_finite,
     check_header,
     check_norm,
     check_norms,
+    check_payload_norms,
     check_size,
     float32_levels,
     make_header,
     parse_header,
+    seal_checksum,
 )
 from horovod_aq.codec.stream import StreamKey, stream_uniforms
 from horovod_aq.levels.table import LevelTable
 
 __all__ = [
     "bucket_norms",
+    "check_checksums",
+    "check_data",
     "check_rows",
     "decode",
+    "parse_rows",
     "decode_average",
     "draw_uniforms",
     "encode",
@@ -189,7 +199,8 @@ def _levels_f32(table: LevelTable) -> tuple[np.ndarray, np.ndarray]:
 def _normalized(flat: np.ndarray, norms: np.ndarray, bucket_size: int) -> np.ndarray:
     """r = clip(x / n_bucket, −1, 1) in float32, 0 in zero buckets (step 3)."""
     safe = np.where(norms == 0, np.float32(1), norms)  # x is all zeros there: 0 / 1 = 0
-    per_elem = np.repeat(safe, bucket_size)[: flat.size]
+    # min(B, n): B > n is one bucket of n elements (never a temporary of B elements)
+    per_elem = np.repeat(safe, min(bucket_size, flat.size))[: flat.size]
     return np.clip(flat / per_elem, np.float32(-1), np.float32(1))
 
 
@@ -242,6 +253,7 @@ def encode(
     seed: Any = None,
     uniforms: Any = None,
     key: StreamKey | None = None,
+    checksum: bool = False,
 ) -> np.ndarray:
     """Quantize and pack x into one uint8 payload of ``payload_size(x.size, bits, bucket_size)``.
 
@@ -254,39 +266,94 @@ def encode(
         uniforms: n float32 values in [0, 1); overrides ``key`` and ``seed``.
         key: the format's random stream (:class:`~horovod_aq.codec.stream.StreamKey`): every
             kernel given the same key produces the same bytes.
+        checksum: write ``FLAG_CHECKSUM`` and the payload's CRC-32 (``codec.payload_checksum``)
+            into the header; every decoder then verifies it. Off by default
+            (``docs/format.md`` §11).
     """
+    checksum = check_bool("checksum", checksum)
     table, bucket_size, flat, norms, u = _prepare(x, levels, bucket_size, norm, seed, uniforms,
                                                   key)
     codes = _round(_normalized(flat, norms, bucket_size), table, u)
-    return np.concatenate(
+    payload = np.concatenate(
         [
             np.frombuffer(make_header(flat.size, table, bucket_size, norm), dtype=np.uint8),
             norms.astype("<f4").view(np.uint8),
             pack_bits(codes, table.bits),
         ]
     )
+    return seal_checksum(payload) if checksum else payload
+
 
 
 def _dequantize(codes: np.ndarray, norms: np.ndarray, table: LevelTable, bucket_size: int):
     """x̂ = n_bucket · L[code] in float32 (step 6)."""
     levels, _ = _levels_f32(table)
-    return np.repeat(norms, bucket_size)[: codes.size] * levels[codes]
+    span = min(bucket_size, codes.size)  # Header.span: memory bounded by n, not by B
+    return np.repeat(norms, span)[: codes.size] * levels[codes]
+
+
+def _sections(data: np.ndarray, header: Header) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 norms, uint8 codes) of one size-checked payload."""
+    norms = np.frombuffer(data[HEADER_SIZE : header.codes_offset].tobytes(), dtype="<f4")
+    codes = unpack_bits(data[header.codes_offset :], header.bits, header.numel)
+    assert norms.size == header.num_buckets
+    return norms.astype(np.float32), codes
+
+
+def _check_sections(norms: np.ndarray, codes: np.ndarray, num_levels: int) -> None:
+    check_payload_norms(norms)
+    if codes.size and int(codes.max()) >= num_levels:
+        raise PayloadError(bad_code_message(int(codes.max()), num_levels))
+
+
+def check_data(payload: Any, header: Header, num_levels: int) -> None:
+    """The data checks of a size-checked payload, in the order every decoder applies them:
+    every bucket norm finite and ≥ 0 (``check_payload_norms``), then every code < N. Raises
+    ``PayloadError``; its message is what every decoder raises for such a payload."""
+    _check_sections(*_sections(as_bytes(payload), header), num_levels)
 
 
 def _read_payload(data: np.ndarray, header: Header, table: LevelTable) -> np.ndarray:
-    """float32 values of one size-checked payload."""
-    nb = header.num_buckets
-    norms = np.frombuffer(data[HEADER_SIZE : header.codes_offset].tobytes(), dtype="<f4")
-    if not np.all(np.isfinite(norms) & (norms >= 0)):
-        raise PayloadError("payload holds a negative or non-finite bucket norm (corrupted data)")
-    codes = unpack_bits(data[header.codes_offset :], header.bits, header.numel)
-    if header.numel and int(codes.max()) >= table.num_levels:
-        raise PayloadError(
-            f"payload holds code {int(codes.max())} but the table has {table.num_levels} levels "
-            "(corrupted data)"
-        )
-    assert norms.size == nb
-    return _dequantize(codes, norms.astype(np.float32), table, header.bucket_size)
+    """float32 values of one size-checked payload (checksum already verified)."""
+    norms, codes = _sections(data, header)
+    _check_sections(norms, codes, table.num_levels)
+    return _dequantize(codes, norms, table, header.bucket_size)
+
+
+def _name_rank(err: Exception, rank: int) -> None:
+    """Prefix an error's message with "rank r: " and give it a ``rank`` attribute."""
+    err.args = (f"rank {rank}: {err}",) + err.args[1:]
+    err.rank = rank
+
+
+def parse_rows(rows: Any, *, name_rank: bool = True) -> list[Header]:
+    """``parse_header`` of every row of a gathered ``[P, ≥ 32]`` buffer (or of a list of rows),
+    in rank order; with ``name_rank`` an error names the rank like ``check_rows``."""
+    headers = []
+    for rank, row in enumerate(rows):
+        try:
+            headers.append(parse_header(row))
+        except PayloadError as err:
+            if name_rank:
+                _name_rank(err, rank)
+            raise
+    return headers
+
+
+def check_checksums(rows: Any, headers: list[Header], *, name_rank: bool = True) -> None:
+    """Verify the CRC-32 of every row of a size-checked ``[P, size]`` buffer whose header
+    carries ``FLAG_CHECKSUM`` (``codec.check_checksum``), in rank order; with ``name_rank``
+    the error names the rank like ``check_rows``."""
+    if not any(h.checksummed for h in headers):
+        return
+    rows = np.asarray(rows)
+    for rank, header in enumerate(headers):
+        try:
+            check_checksum(rows[rank], header)
+        except PayloadError as err:
+            if name_rank:
+                _name_rank(err, rank)
+            raise
 
 
 def decode(
@@ -301,13 +368,16 @@ def decode(
     """Decode one payload into a flat array of ``dtype`` (reshape it yourself).
 
     The header must match ``levels`` (version and hash) and, when given, ``numel``,
-    ``bucket_size`` and ``norm``; the size must match the header exactly.
+    ``bucket_size`` and ``norm``; the size must match the header exactly; a checksummed
+    payload must match its CRC-32; every norm must be finite and ≥ 0 and every code < N.
+    Memory: O(size + n), whatever bucket size the header states.
     """
     table = as_table(levels)
     data = as_bytes(payload)
     header = parse_header(data)
     check_header(header, table, numel=numel, bucket_size=bucket_size, norm=norm)
     check_size(header, data.size)
+    check_checksum(data, header)
     return _read_payload(data, header, table).astype(dtype, copy=False)
 
 
@@ -337,8 +407,7 @@ def check_rows(
             check_size(header, size)
         except (PayloadError, NonFiniteGradientError) as err:
             if name_rank:
-                err.args = (f"rank {rank}: {err}",) + err.args[1:]
-                err.rank = rank
+                _name_rank(err, rank)
             raise
     return first
 
@@ -354,9 +423,11 @@ def decode_average(
 ) -> np.ndarray:
     """Average of the decoded rows of a gathered ``[P, size]`` uint8 buffer (step 7).
 
-    Rows are summed sequentially in rank order in float32 and divided by P, so the result is
+    Rows are divided by P and summed sequentially in rank order in float32, so the result is
     bitwise the same on every rank and in every framework. All rows must carry the same header
-    settings; a list of 1-D payloads is accepted too.
+    settings; a list of 1-D payloads is accepted too. Checks, in this order: every header
+    (``check_rows``), every checksum (``check_checksums``), then each row's data
+    (``check_data``); every error names the rank ("rank r: …", attribute ``rank``).
     """
     table = as_table(levels)
     if isinstance(payloads, (list, tuple)):
@@ -367,13 +438,20 @@ def decode_average(
             f"gathered payloads must be a non-empty [P, size] uint8 array, got dtype {rows.dtype} "
             f"and shape {rows.shape}"
         )
-    headers = [parse_header(row) for row in rows]
-    first = check_rows(headers, table, rows.shape[1], numel=numel, bucket_size=bucket_size,
-                       norm=norm)
-    acc = _read_payload(rows[0], first, table)
-    for rank in range(1, rows.shape[0]):
-        acc = acc + _read_payload(rows[rank], headers[rank], table)
-    return (acc / np.float32(rows.shape[0])).astype(dtype, copy=False)
+    headers = parse_rows(rows)
+    check_rows(headers, table, rows.shape[1], numel=numel, bucket_size=bucket_size, norm=norm)
+    check_checksums(rows, headers)
+    acc = None
+    world = np.float32(rows.shape[0])
+    for rank in range(rows.shape[0]):
+        try:
+            values = _read_payload(rows[rank], headers[rank], table)
+        except PayloadError as err:
+            _name_rank(err, rank)
+            raise
+        values = values / world   # before the sum: no float32 overflow (step 7)
+        acc = values if acc is None else acc + values
+    return acc.astype(dtype, copy=False)
 
 
 def quantize(

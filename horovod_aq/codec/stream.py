@@ -58,6 +58,17 @@ class StreamKey:
     bucket: int = 0
     part: int = 0
 
+    def __post_init__(self) -> None:
+        # every field an integer >= 0 (a negative step would wrap to another step's stream)
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"StreamKey {field.name} must be an integer >= 0, got "
+                                f"{value!r} ({type(value).__name__})")
+            if value < 0:
+                raise ValueError(f"StreamKey {field.name} must be an integer >= 0, got {value}")
+            object.__setattr__(self, field.name, int(value))
+
     def philox_key(self) -> tuple[int, int]:
         """(k0, k1): the two 32-bit key words."""
         k = seed_for_rank(self.seed, self.rank)

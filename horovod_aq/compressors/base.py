@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from horovod_aq.backend import backend_for
 from horovod_aq.codec.stream import seed_for_rank  # noqa: F401  (re-exported)
+from horovod_aq.compressors import arguments
 from horovod_aq.levels.stats import BucketStats
 from horovod_aq.levels.table import LevelTable
 from horovod_aq.refit import Comm, agree_on_table
@@ -42,6 +44,9 @@ DEFAULT_TOP_K = 350
 #: Weighting of bucket components in the fitted mixture (docs/quantizers.md §5.3): squared norms
 #: (γ = 2) make the model's variance equal the gradient's total quantization error.
 DEFAULT_WEIGHTING = "squared_norm"
+#: Gradients through a compressor whose first step never ended before it says so: a loop with
+#: no step boundary (e.g. direct ``hvd.allreduce(t, compression=comp)``) needs explicit refits.
+UNENDED_STEP_WARNING = 10_000
 
 
 def settings_fingerprint(config: dict[str, Any], bits: int, bucket_size: int,
@@ -98,20 +103,17 @@ class Compressor:
         name: str | None = None,
         nonfinite: str = "raise",
     ) -> None:
-        if self.quantizes and (not isinstance(bits, (int, np.integer)) or not 1 <= int(bits) <= 8):
-            raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
-        bucket_size = self.default_bucket_size if bucket_size is None else bucket_size
-        if not isinstance(bucket_size, (int, np.integer)) or bucket_size < 2:
-            raise ValueError(f"bucket_size must be an integer >= 2, got {bucket_size!r}")
-        norm = self.default_norm if norm is None else norm
-        if norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-        if isinstance(schedule, str):
-            schedule = RefitSchedule.parse(schedule)
-        if top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
-        if nonfinite not in NONFINITE:
-            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        # every argument checked before anything is set (horovod_aq.compressors.arguments)
+        if self.quantizes:
+            bits = arguments.bits(bits)
+        bucket_size = arguments.bucket_size(
+            self.default_bucket_size if bucket_size is None else bucket_size)
+        norm = arguments.choice("norm", self.default_norm if norm is None else norm, NORMS)
+        seed = arguments.seed(seed)
+        schedule = arguments.schedule(schedule)
+        top_k = arguments.integer("top_k", top_k, 1)
+        name = arguments.name(name)
+        nonfinite = arguments.choice("nonfinite", nonfinite, NONFINITE)
         self.nonfinite = nonfinite
         self.bits = int(bits)
         self.bucket_size = int(bucket_size)
@@ -124,6 +126,9 @@ class Compressor:
         self.step = 0
         self._table = LevelTable(self.initial_levels(), 0) if self.quantizes else None
         self._stats: BucketStats | None = None
+        self._step_open = False
+        self._last_refitted = False
+        self._open_calls = 0
         self._listeners: list[Callable[[LevelTable], None]] = []
         self._framework: dict[str, Any] = {}
         self._pending_framework: dict[str, Any] = {}
@@ -227,7 +232,53 @@ class Compressor:
         refitted = self.refit(comm) if self.recording else False
         self.step += 1
         self._stats = None
+        self._step_open = False
+        self._open_calls = 0
+        self._last_refitted = refitted
         return refitted
+
+    # ------------------------------------------------------------------ step boundaries
+    def open_step(self) -> None:
+        """Mark the current step as begun: its gradients went through this compressor.
+
+        The automatic step ends (docs/protocol.md §14) and the explicit ``refit`` calls end a step
+        only while it is open (:meth:`end_open_step`), so a step that a hook already ended is not
+        ended twice when user code also calls ``refit``. Every rank opens the same steps (they
+        quantize the same tensors), so the decision is rank-identical without a collective.
+        """
+        self._step_open = True
+        self._open_calls += 1
+        if self._open_calls == UNENDED_STEP_WARNING and self.step == 0 and self.adaptive:
+            message = (f"{self.name}: {UNENDED_STEP_WARNING} gradients went through this "
+                       "compressor and its first step never ended, so its levels are never "
+                       "refitted. Without a Horovod optimizer or tape (e.g. hvd.allreduce(t, "
+                       "compression=comp) in your own loop) add horovod_aq.torch.refit(comp) / "
+                       "horovod_aq.tensorflow.refit(comp) after each update")
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    @property
+    def step_open(self) -> bool:
+        """Whether gradients went through since the last :meth:`end_step`."""
+        return self._step_open
+
+    @property
+    def last_refitted(self) -> bool:
+        """Whether the step ended last refitted the table."""
+        return self._last_refitted
+
+    def end_open_step(self, comm: Comm) -> bool:
+        """:meth:`end_step` if the step is open; else the result of the step ended last (it was
+        already ended, e.g. by an automatic hook, or no gradient went through)."""
+        return self.end_step(comm) if self._step_open else self._last_refitted
+
+    def advance_step(self) -> None:
+        """End the step without the refit protocol (a single-member process set: there is
+        nothing to agree on and no statistics are kept)."""
+        self.step += 1
+        self._stats = None
+        self._step_open = False
+        self._last_refitted = False
 
     def refit(self, comm: Comm, stats: BucketStats | None = None) -> bool:
         """Run the refit protocol now (collective) with ``stats``, by default the statistics
@@ -253,10 +304,72 @@ class Compressor:
         return refitted
 
     # ------------------------------------------------------------------ Horovod interface
+    class _HorovodHook:
+        """``compress`` / ``decompress`` that also work when called on the class.
+
+        Horovod users write ``compression=hvd.Compression.fp16`` — a class with static methods —
+        so ``compression=horovod_aq.ALQ`` is a natural mistake; Horovod then calls
+        ``ALQ.compress(tensor)``. Looked up on an instance this is the ordinary method; looked
+        up on a class it calls the method of the class's :meth:`~Compressor.shared` instance,
+        so that every call (and a refit of that instance) works on one table and one step.
+        """
+
+        def __init__(self, fn: Callable[..., Any]) -> None:
+            self.fn = fn
+            self.__doc__ = fn.__doc__
+            self.__name__ = getattr(fn, "__name__", "compress")
+
+        def __get__(self, obj: Any, cls: type | None = None) -> Any:
+            fn = self.fn
+            if obj is not None:
+                return fn.__get__(obj, type(obj))
+
+            def on_class(*args: Any, **kwargs: Any) -> Any:
+                if args and isinstance(args[0], cls):   # Compressor.compress(instance, tensor)
+                    return fn(*args, **kwargs)
+                return fn(cls.shared(), *args, **kwargs)
+            on_class.__doc__, on_class.__name__ = fn.__doc__, self.__name__
+            return on_class
+
+    #: The instance each compressor class stands for when passed as a class (see :meth:`shared`).
+    _shared_instances: ClassVar[dict[type, Compressor]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in ("compress", "decompress"):   # subclasses' own versions work on the class too
+            fn = cls.__dict__.get(name)
+            if hasattr(fn, "__code__"):
+                setattr(cls, name, Compressor._HorovodHook(fn))
+
+    @classmethod
+    def shared(cls) -> Compressor:
+        """The one instance, with default settings, that the class stands for where Horovod is
+        given the class (``hvd.DistributedOptimizer(..., compression=horovod_aq.ALQ)``): created
+        (and logged) on first use, the same object afterwards, so its statistics, table and step
+        are those its refits use (``horovod_aq.torch.refit(horovod_aq.ALQ.shared())``). Pass an
+        instance, e.g. ``horovod_aq.ALQ(bits=3)``, to choose settings."""
+        instance = Compressor._shared_instances.get(cls)
+        if instance is None:
+            try:
+                made = cls()
+            except Exception as exc:
+                raise TypeError(
+                    f"compression=horovod_aq.{cls.__name__} (the class) has no usable default "
+                    f"settings ({exc!r}); pass an instance, e.g. "
+                    "compression=horovod_aq.ALQ(bits=3)") from exc
+            instance = Compressor._shared_instances.setdefault(cls, made)
+            if instance is made:
+                logger.info("compression=horovod_aq.%s (the class): using one shared %r; pass "
+                            "an instance such as horovod_aq.ALQ(bits=3) to choose settings",
+                            cls.__name__, instance)
+        return instance
+
+    @_HorovodHook
     def compress(self, tensor: Any) -> tuple[Any, Any]:
         """Horovod stock path: quantize → dequantize → fp16 (summable). Returns (wire, ctx)."""
         return backend_for(tensor).compress(self, tensor)
 
+    @_HorovodHook
     def decompress(self, tensor: Any, ctx: Any) -> Any:
         """Horovod stock path: cast the summed fp16 back to the gradient's dtype."""
         return backend_for(tensor).decompress(self, tensor, ctx)
@@ -325,6 +438,7 @@ class Compressor:
                                       int(state["table"]["version"])))
         self.step = int(state["step"])
         self._stats = None
+        self._step_open = False
         self._pending_framework = dict(state.get("framework", {}))
         for key, fw_state in self._framework.items():
             if key in self._pending_framework:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from horovod_aq.backend import backend_for
+from horovod_aq.compressors import arguments
 from horovod_aq.compressors.adaptive import ALQ, ALQG, ALQN, AMQ, AMQN
 from horovod_aq.compressors.base import Compressor
 from horovod_aq.compressors.fixed import NUQSGD, QSGD, NaturalDithering, QSGDInf
@@ -61,8 +62,20 @@ class DQSGD(Compressor):
         **level_kwargs: Any,
     ) -> None:
         if bits is not None:   # the generic factory's ``bits`` is the target mean width
-            target_bits = float(bits)
-        if levels not in FAMILIES:
+            target_bits = arguments.real("bits", bits,
+                                         allowed="a real number (the target mean width)")
+        # types here; the ranges (target within [min_bits, max_bits], a meetable budget) are
+        # the rule's (horovod_aq.schedule.DQSGDRule)
+        target_bits = arguments.optional(arguments.real, "target_bits", target_bits)
+        budget = arguments.optional(arguments.real, "budget", budget)
+        horizon = arguments.optional(arguments.integer, "horizon", horizon, 1)
+        min_bits = arguments.integer("min_bits", min_bits, 1, 8)
+        max_bits = arguments.integer("max_bits", max_bits, 1, 8)
+        window = arguments.integer("window", window, 1)
+        alpha = arguments.optional(arguments.real, "alpha", alpha, lo=0.0, hi=1.0,
+                                   open_interval=True)
+        warmup_bits = arguments.optional(arguments.integer, "warmup_bits", warmup_bits, 1, 8)
+        if not isinstance(levels, str) or levels not in FAMILIES:
             raise ValueError(f"levels must name a multi-width family, one of "
                              f"{sorted(FAMILIES)}; got {levels!r}")
         self.rule = DQSGDRule(target_bits=target_bits, budget=budget, horizon=horizon,
@@ -74,9 +87,11 @@ class DQSGD(Compressor):
         common = {"seed": seed, "schedule": schedule, **level_kwargs}
         if bucket_size is not None:
             common["bucket_size"] = bucket_size
+        first = family(min_bits, **common)
+        common["norm"] = first.norm      # one bucket scale for every width (the narrowest's)
         self.widths: dict[int, Compressor] = {
-            b: family(b, **common) for b in range(min_bits, max_bits + 1)}
-        first = self.widths[min_bits]
+            b: first if b == min_bits else family(b, **common)
+            for b in range(min_bits, max_bits + 1)}
         self.levels_family = levels
         self.adaptive = first.adaptive  # type: ignore[misc]
         super().__init__(min_bits, bucket_size=first.bucket_size, norm=first.norm, seed=seed,
@@ -128,6 +143,8 @@ class DQSGD(Compressor):
         self._aggregate_sq = 0.0
         self.step += 1
         self._stats = None
+        self._step_open = False
+        self._last_refitted = refitted
         previous = self.bits
         self.bits = self.rule.next_bits(self.step, previous, g)
         if self.bits != previous:

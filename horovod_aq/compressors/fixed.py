@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from horovod_aq.compressors import arguments
 from horovod_aq.compressors.base import Compressor
 from horovod_aq.levels import families
 
@@ -51,10 +52,9 @@ class QSGD(Compressor):
     method = "qsgd"
 
     def __init__(self, bits: int = 4, *, s: int | None = None, **kwargs: Any) -> None:
-        self.s = None if s is None else int(s)
+        self.s = arguments.optional(arguments.integer, "s", s, 1, 127,
+                                    allowed="an integer in 1..127 (2s+1 levels <= 256) or None")
         if self.s is not None:
-            if self.s < 1 or 2 * self.s + 1 > 256:
-                raise ValueError(f"s must be in 1..127 (2s+1 levels <= 256), got {s}")
             bits = int(2 * self.s).bit_length()
         super().__init__(bits, **kwargs)
 
@@ -80,9 +80,7 @@ class NUQSGD(Compressor):
     method = "nuqsgd"
 
     def __init__(self, bits: int = 3, *, p: float = 0.5, **kwargs: Any) -> None:
-        if not 0.0 < p < 1.0:
-            raise ValueError(f"p must be in (0, 1), got {p}")
-        self.p = float(p)
+        self.p = arguments.real("p", p, lo=0.0, hi=1.0, open_interval=True)
         super().__init__(bits, **kwargs)
 
     def initial_levels(self) -> np.ndarray:
@@ -112,8 +110,8 @@ class NaturalDithering(Compressor):
     method = "natural"
 
     def __init__(self, bits: int = 3, **kwargs: Any) -> None:
-        if bits < 2:
-            raise ValueError(f"NaturalDithering needs bits >= 2, got {bits}")
+        arguments.integer("bits", bits, 2, 8,
+                          allowed="an integer in 2..8 (NaturalDithering needs bits >= 2)")
         super().__init__(bits, **kwargs)
 
     def initial_levels(self) -> np.ndarray:

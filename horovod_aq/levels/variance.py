@@ -19,26 +19,48 @@ Every function here accepts any ``model.Distribution`` on [−1, 1] — the trun
 mixture (``distribution``) or the empirical histogram (``histogram.HistogramDistribution``; there
 M0, U and S are piecewise polynomials evaluated from prefix sums over the bins) — and gets M0, U
 and S from its ``table_terms`` / ``table_variance``.
+
+Relative variance (§6.1) — the γ of error feedback (docs/dynamic.md §2.3):
+
+    γ(ℓ; F) = V(ℓ; F) / E_F[r²],   E_F[r²] = 1 − V({−1, 1}; F)
+
+is E‖Q(v) − v‖²/‖v‖² for a bucket whose coordinates follow F, whatever the norm (L2: E[r²] = 1/B;
+L∞: ‖v‖² = ‖v‖∞²·B·E[r²]). ``worst_relative_variance`` is its supremum over every bucket,
+γ_sup = sup_v E‖Q(v) − v‖²/‖v‖². ``gaussian_prior`` is F for i.i.d. normal coordinates and
+``linf_law`` turns a law of v/‖v‖₂ into one of v/‖v‖∞ (§5.6).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 
 import numpy as np
+from scipy.special import ndtr, ndtri
 
+from horovod_aq.levels.distribution import TruncatedNormalMixture
+from horovod_aq.levels.histogram import HistogramDistribution
 from horovod_aq.levels.model import Distribution
 from horovod_aq.levels.table import validate_levels
 
 __all__ = [
+    "NORMS",
     "canonical_huffman_codes",
     "entropy",
     "expected_variance",
+    "gaussian_prior",
     "huffman_code_lengths",
     "huffman_expected_length",
+    "linf_law",
+    "relative_variance",
+    "second_moment",
     "stochastic_rounding_variance",
     "symbol_probabilities",
+    "worst_relative_variance",
 ]
+
+#: The bucket norms a law of normalized coordinates can refer to (§1).
+NORMS = ("l2", "linf")
 
 
 def expected_variance(levels: object, dist: Distribution) -> float:
@@ -170,3 +192,149 @@ def stochastic_rounding_variance(r: object, levels: object) -> np.ndarray:
     r = np.clip(np.asarray(r, dtype=np.float64), -1.0, 1.0)
     j = np.clip(np.searchsorted(L, r, side="right") - 1, 0, L.size - 2)
     return np.maximum((L[j + 1] - r) * (r - L[j]), 0.0)
+
+
+# ----------------------------------------------------------------------------- relative variance
+def second_moment(dist: Distribution) -> float:
+    """E_F[r²] = 1 − V({−1, 1}; F), since S(−1, 1) = ∫ (r + 1)(1 − r) dF = 1 − E[r²] (§6)."""
+    _check_dist(dist)
+    return float(1.0 - dist.table_variance(np.array([-1.0, 1.0])))
+
+
+def relative_variance(levels: object, dist: Distribution) -> float:
+    """γ(ℓ; F) = V(ℓ; F)/E_F[r²] (§6.1): E‖Q(v) − v‖²/‖v‖² for a bucket of coordinates ~ F.
+
+    For L2 buckets E[r²] = 1/B and γ = B·V; for L∞ buckets (F = the law of v/‖v‖∞) the same
+    ratio holds because ‖v‖² = ‖v‖∞²·B·E[r²].
+    """
+    m2 = second_moment(dist)
+    if not m2 > 0.0:
+        raise ValueError("the law has no mass away from 0 (E[r²] = 0)")
+    return expected_variance(levels, dist) / m2
+
+
+def _check_bucket(bucket_size: object, norm: str) -> int:
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, np.integer)) \
+            or bucket_size < 2:
+        raise ValueError(f"bucket_size must be an integer >= 2, got {bucket_size!r}")
+    return int(bucket_size)
+
+
+def _best_penalized(L: np.ndarray, mu: float) -> float:
+    """g(μ) = max_{r ∈ [−1, 1]} σ²(r) − μ·r² for μ ≥ −1, σ²(r) = (ℓ_{j+1} − r)(r − ℓ_j) (§3).
+
+    On [c, d] the function −(1 + μ)·r² + (c + d)·r − c·d is concave: its maximum is at
+    r* = (c + d)/(2(1 + μ)) clipped to [c, d] (μ = −1: at an end).
+    """
+    c, d = L[:-1], L[1:]
+    if mu > -1.0:
+        r = np.clip((c + d) / (2.0 * (1.0 + mu)), c, d)
+    else:
+        r = np.where(np.abs(c) > np.abs(d), c, d)
+    return float(np.max((d - r) * (r - c) - mu * r * r))
+
+
+def worst_relative_variance(levels: object, bucket_size: int, norm: str = "l2") -> float:
+    """γ_sup = sup_v E‖Q(v) − v‖²/‖v‖² over every bucket v of B coordinates (§6.1).
+
+    With g(μ) = max_r σ²(r) − μ·r² (``_best_penalized``):
+
+    * L∞: one coordinate is ±1 (error 0), the others r_i are free, and
+      γ = Σ σ²(r_i)/(1 + Σ r_i²). The supremum (all r_i equal) is the root of
+      (B − 1)·g(γ) = γ (g decreases, so bisection) — exact.
+    * L2: Σ r_i² = 1, so Σ σ²(r_i) = μ + Σ (σ²(r_i) − μ·r_i²) ≤ μ + B·g(μ) for every μ;
+      γ_sup ≤ min_μ μ + B·g(μ) (convex in μ; golden-section search on [−1, B·g(0)]). This
+      Lagrangian bound exceeds the supremum by at most one coordinate's worth (≤ 1): for the
+      zero-free U-ref it gives (B − 1)·ℓ₁² against the exact B·ℓ₁² − 1.
+    """
+    L = validate_levels(levels)
+    b = _check_bucket(bucket_size, norm)
+    top = b * _best_penalized(L, 0.0)       # γ_sup ≤ B·max σ² for either norm
+    if norm == "linf":
+        lo, hi = 0.0, top
+        for _ in range(200):
+            mid = 0.5 * (lo + hi)
+            if (b - 1) * _best_penalized(L, mid) > mid:
+                lo = mid
+            else:
+                hi = mid
+        return hi
+    lo, hi = -1.0, max(top, 0.0)
+    inv = (math.sqrt(5.0) - 1.0) / 2.0
+    x1, x2 = hi - inv * (hi - lo), lo + inv * (hi - lo)
+    f1, f2 = (x + b * _best_penalized(L, x) for x in (x1, x2))
+    for _ in range(200):
+        if f1 <= f2:
+            hi, x2, f2 = x2, x1, f1
+            x1 = hi - inv * (hi - lo)
+            f1 = x1 + b * _best_penalized(L, x1)
+        else:
+            lo, x1, f1 = x1, x2, f2
+            x2 = lo + inv * (hi - lo)
+            f2 = x2 + b * _best_penalized(L, x2)
+    return float(min(f1, f2, top))
+
+
+# ----------------------------------------------------------------------------- L∞ buckets (§5.6)
+def _abs_tail(dist: Distribution, t: float) -> float:
+    """P(|r| > t) = F(−t) + (1 − F(t))."""
+    return float(dist.cdf(-t) + dist.sf(t))
+
+
+def _component_max(means: np.ndarray, stds: np.ndarray, tail: float) -> np.ndarray:
+    """Per component of a truncated-normal mixture: t with P(|r| > t) = tail (bisection)."""
+    z = ndtr((1.0 - means) / stds) - ndtr((-1.0 - means) / stds)     # mass on [−1, 1]
+    lo, hi = np.zeros_like(means), np.ones_like(means)
+    for _ in range(80):
+        t = 0.5 * (lo + hi)
+        out = (ndtr((-t - means) / stds) - ndtr((-1.0 - means) / stds)
+               + ndtr((1.0 - means) / stds) - ndtr((t - means) / stds)) / z
+        above = out > tail
+        lo, hi = np.where(above, t, lo), np.where(above, hi, t)
+    return np.maximum(hi, np.abs(means))
+
+
+def linf_law(dist: Distribution, bucket_size: int) -> Distribution:
+    """The law of v/‖v‖∞ from a law F of v/‖v‖₂ (§5.6): r∞ = r₂/m, clipped to [−1, 1].
+
+    m is the typical bucket maximum of |r₂|: the value exceeded by a fraction 1/B of F's mass,
+    P_F(|r₂| > m) = 1/B (on average one of the B coordinates lies above it). A mixture is
+    rescaled component by component (each component models one bucket; its L∞ error weight
+    ‖v‖∞² = n_b²·m_b² multiplies its weight); a histogram, which pools all buckets, with one m.
+    Mass beyond ±1 is the bucket maxima, which the levels ±1 represent exactly, and is dropped.
+    """
+    b = _check_bucket(bucket_size, "linf")
+    tail = 1.0 / b
+    if isinstance(dist, TruncatedNormalMixture):
+        mu, sd, w = dist.means, dist.stds, dist.weights
+        m_b = _component_max(mu, sd, tail)
+        return TruncatedNormalMixture(np.clip(mu / m_b, -1.0, 1.0), sd / m_b, w * m_b * m_b)
+    if not isinstance(dist, HistogramDistribution):
+        raise TypeError(f"linf_law needs a TruncatedNormalMixture or a HistogramDistribution, "
+                        f"got {type(dist).__name__}")
+    lo, hi = 0.0, 1.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if _abs_tail(dist, mid) > tail:
+            lo = mid
+        else:
+            hi = mid
+    m = max(hi, 1e-300)
+    t = dist.edges / m
+    left, right = np.clip(t[:-1], -1.0, 1.0), np.clip(t[1:], -1.0, 1.0)
+    keep = right > left
+    edges = np.concatenate([left[keep], right[keep][-1:]])
+    edges[0], edges[-1] = -1.0, 1.0
+    mass = dist.weights[keep] * (right - left)[keep] / (t[1:] - t[:-1])[keep]
+    return HistogramDistribution(edges, mass)
+
+
+def gaussian_prior(bucket_size: int, norm: str = "l2") -> Distribution:
+    """F of a bucket of B i.i.d. normal coordinates (§5.1, §5.6): TN(0, 1/B; [−1, 1]) for L2, and
+    its ``linf_law`` TN(0, 1/z_B²; [−1, 1]), z_B = Φ⁻¹(1 − 1/(2B)), for L∞."""
+    b = _check_bucket(bucket_size, norm)
+    if norm == "l2":
+        return TruncatedNormalMixture([0.0], [1.0 / math.sqrt(b)], [1.0])
+    return TruncatedNormalMixture([0.0], [1.0 / float(ndtri(1.0 - 0.5 / b))], [1.0])

@@ -3,9 +3,11 @@
 Fusion (docs/protocol.md §6): tensors are fused in backward order into buckets of at most
 ``cap_numel`` coordinates on one device; each bucket takes the wire the cost model picks
 (:mod:`horovod_aq.packed.cost`). Names: every collective has an explicit name built from the
-compressor's name, the exchange's index, the bucket's position and a CRC-32 of its members'
-names, so it is identical on every rank that builds the same model — never Horovod's counter
-names.
+compressor's name, a digest of the exchange's content (:func:`exchange_key`: the tensors' names
+and sizes and the settings), the bucket's position and a CRC-32 of its members' names, so it is
+identical on every rank that builds the same model, whatever other objects a rank created —
+never Horovod's counter names, nor a per-process counter (:func:`next_exchange_index` and
+:func:`exchange_prefix` are kept for callers that still name exchanges by creation order).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import itertools
 import re
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from horovod_aq.packed.cost import NetworkModel, resolve_exchange
 
@@ -35,8 +39,29 @@ def op_name(text: str) -> str:
 
 
 def exchange_prefix(compression_name: str, index: int) -> str:
-    """The name prefix of one packed exchange's buckets and allreduces."""
+    """The name prefix of the packed exchange created ``index``-th in this process (legacy:
+    differs across ranks that created different numbers of exchanges; use
+    :func:`exchange_key`)."""
     return op_name(f"{compression_name}.x{index}")
+
+
+def exchange_key(compression_name: str, tensors: Iterable[tuple[str, int]],
+                 settings: Iterable[Any] = ()) -> str:
+    """The content name of a packed exchange: ``<compression>.c<crc32>``.
+
+    ``tensors``: (name, number of elements) of every tensor the exchange carries, in the order
+    the exchange plans them; ``settings``: anything else that changes the layout or the wire
+    (exchange mode, fusion cap, small-tensor threshold, process-set size, groups). Ranks that
+    build the same model with the same settings get the same key whatever else they created
+    (an evaluation copy, a second model), so no collective name depends on creation order, and
+    error-feedback memory keyed by bucket names finds its checkpoint in any optimizer built for
+    the same model. Two exchanges of identical content in one process share a key: their
+    collectives must not be in flight at the same time (Horovod then refuses the duplicate
+    name with an error).
+    """
+    text = repr((compression_name, [(str(n), int(k)) for n, k in tensors],
+                 [repr(v) for v in settings]))
+    return op_name(f"{compression_name}.c{zlib.crc32(text.encode()) & 0xFFFFFFFF:08x}")
 
 
 def allgather_name(bucket: str) -> str:
@@ -52,9 +77,13 @@ def allreduce_name(prefix: str, tensor: str) -> str:
     return f"aq.ar.{prefix}.{op_name(tensor)}"
 
 
-def handshake_name(index: int, plan: int) -> str:
-    """The first-exchange check of layout ``plan`` of exchange ``index``: independent of the
-    settings it compares, so ranks that disagree meet in it (docs/protocol.md §3)."""
+def handshake_name(index: int | str, plan: int) -> str:
+    """The first-exchange check of layout ``plan`` of an exchange: ``index`` is its content key
+    (:func:`exchange_key`, preferred; the name then depends on the model's tensors only, not on
+    the settings it compares, so ranks that disagree on those meet in it — docs/protocol.md §3)
+    or, for older callers, its creation index (``aq.handshake.x<index>.<plan>``)."""
+    if isinstance(index, str):
+        return f"aq.handshake.{op_name(index)}.{plan}"
     return f"aq.handshake.x{index}.{plan}"
 
 

@@ -4,6 +4,8 @@ Both integrations (``horovod_aq.torch.DistributedOptimizer``, the TensorFlow
 ``PackedExchange`` behind the tape and the Keras optimizer) call these and only move tensors:
 
 * :class:`ExchangeSettings` — the user's arguments, validated with errors that name them;
+  :func:`check_exchange_args` — the same checks as one function (types included) for the
+  integrations to call at construction;
 * :func:`check_compression` / :func:`check_average` — what a packed exchange accepts;
 * the first-exchange handshake: :func:`handshake_vector` / :func:`check_handshake`
   (docs/protocol.md §3);
@@ -43,6 +45,61 @@ class ConfigMismatchError(ValueError):
     """Ranks disagree on compressor settings, level table, step or the tensors exchanged."""
 
 
+class ExchangeStalledError(RuntimeError):
+    """A collective of the packed exchange did not complete within the stall timeout.
+
+    Attributes: ``collective`` (its name), ``bucket``, ``step``, ``doing`` (what this rank was
+    doing), ``timeout_s``. Horovod's stall inspector only warns; the packed exchange ends the
+    wait on every rank that is stuck, so a mismatched rank ends the job instead of hanging.
+    """
+
+    def __init__(self, collective: str, *, bucket: str | None, step: int, doing: str,
+                 timeout_s: float) -> None:
+        self.collective, self.bucket, self.step = collective, bucket, step
+        self.doing, self.timeout_s = doing, timeout_s
+        super().__init__(stalled_message(collective, bucket=bucket, step=step, doing=doing,
+                                         timeout_s=timeout_s))
+
+
+#: Default seconds a packed exchange waits for one collective before raising
+#: :class:`ExchangeStalledError` (generous: a slow first step compiles kernels and connects).
+DEFAULT_STALL_TIMEOUT_S = 300.0
+#: Environment override of the stall timeout (seconds; 0 or less: wait forever).
+STALL_TIMEOUT_ENV = "HOROVOD_AQ_STALL_TIMEOUT_S"
+
+
+def stall_timeout_s(value: Any = None) -> float | None:
+    """The stall timeout in seconds: ``value`` if given, else ``$HOROVOD_AQ_STALL_TIMEOUT_S``,
+    else :data:`DEFAULT_STALL_TIMEOUT_S`; None (wait forever) for 0 or less."""
+    import os
+
+    if value is None:
+        text = os.environ.get(STALL_TIMEOUT_ENV, "").strip()
+        try:
+            value = float(text) if text else DEFAULT_STALL_TIMEOUT_S
+        except ValueError:
+            raise ValueError(f"{STALL_TIMEOUT_ENV} must be a number of seconds, got "
+                             f"{text!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"stall_timeout_s must be a number of seconds or None, got {value!r}")
+    value = float(value)
+    if value != value:
+        raise ValueError("stall_timeout_s must not be NaN")
+    return value if value > 0 else None
+
+
+def stalled_message(collective: str, *, bucket: str | None, step: int, doing: str,
+                    timeout_s: float) -> str:
+    """The message of :class:`ExchangeStalledError`."""
+    where = f" of bucket {bucket}" if bucket else ""
+    return (f"horovod_aq: collective '{collective}'{where} did not complete within "
+            f"{timeout_s:g} s at step {step} while this rank was {doing}. The other ranks are "
+            "presumably in a different collective (they ran a different number of steps or "
+            "backward passes, stepped another optimizer, skipped a step, called hvd.join(), "
+            "or stopped). Every rank must run the same steps on the same optimizers; raise "
+            f"stall_timeout_s (or ${STALL_TIMEOUT_ENV}) if the exchange is only slow")
+
+
 # ---------------------------------------------------------------------- arguments
 @dataclasses.dataclass(frozen=True)
 class ExchangeSettings:
@@ -73,6 +130,23 @@ class ExchangeSettings:
     def cap_numel(self) -> int:
         """The fusion cap in fp32 coordinates."""
         return max(1, self.fusion_bytes // 4)
+
+
+def check_exchange_args(*, exchange: Any = "auto", fusion_bytes: Any = DEFAULT_FUSION_BYTES,
+                        small_tensor_threshold: Any = 0) -> None:
+    """Check the packed exchange's own arguments at construction, for every framework's
+    optimizer, tape and Keras wrapper alike: ``exchange`` one of ``EXCHANGES``,
+    ``fusion_bytes`` an integer >= 4, ``small_tensor_threshold`` an integer >= 0. Raises
+    ``ValueError`` (a value out of range) or ``TypeError`` (a wrong type, also a ``ValueError``:
+    ``horovod_aq.compressors.arguments.SettingTypeError``) naming the argument."""
+    from horovod_aq.compressors import arguments
+
+    arguments.choice("exchange", exchange, EXCHANGES)
+    arguments.integer("fusion_bytes", fusion_bytes, 4,
+                      allowed=">= 4 (an integer: the cap of a fused bucket in bytes)")
+    arguments.integer("small_tensor_threshold", small_tensor_threshold, 0,
+                      allowed=">= 0 (an integer: tensors with fewer elements are sent "
+                              "uncompressed)")
 
 
 def is_compression(obj: Any) -> bool:
@@ -134,6 +208,34 @@ def nonfinite_message(rank: int, source: str | None, bucket: str) -> str:
     before, middle, after = nonfinite_pieces(bucket)
     where = f"'{source}'" if source else "(one of the bucket's)"
     return f"{before} {rank} {middle} {where} {after}"
+
+
+# ---------------------------------------------------------------------- sendable buckets
+#: The largest finite float32: a bucket norm above it cannot be written into a payload.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def first_unsendable(norms: Any) -> int | None:
+    """Index of the first quantization bucket whose norm cannot travel, or None.
+
+    ``norms``: the buckets' norms, float64 (the exact ``sqrt`` of the float64 sum of squares,
+    ``codec.bucket_norms`` before its cast) or float32 (where an overflowing norm is ``inf``).
+    A bucket is sendable when its norm is finite and rounds to a finite float32 (≤
+    ``FLOAT32_MAX`` after rounding to nearest). A rank holding an unsendable bucket of finite
+    values must treat it like a non-finite gradient — send the non-finite marker
+    (docs/protocol.md §4, §15) — so that every rank raises the same error or skips the step
+    (``nonfinite="skip"``) alike, instead of one rank raising in its encoder while the others
+    wait in the collective.
+    """
+    values = np.asarray(norms, dtype=np.float64).reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        bad = ~np.isfinite(values.astype(np.float32))
+    return int(np.argmax(bad)) if bad.any() else None
+
+
+def bucket_sendable(norms: Any) -> bool:
+    """Whether every quantization bucket of ``norms`` can travel (:func:`first_unsendable`)."""
+    return first_unsendable(norms) is None
 
 
 # ---------------------------------------------------------------------- telemetry

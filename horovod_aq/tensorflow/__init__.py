@@ -5,8 +5,8 @@ sends bit-packed codes (eager or inside ``tf.function``, Keras 3 or ``tf.Variabl
 ``horovod_aq.keras.DistributedOptimizer`` does the same for Keras 3 ``model.fit``. With
 Horovod's own ``hvd.DistributedGradientTape(tape, compression=horovod_aq.ALQ(bits=3))`` (or
 tf_keras' ``horovod.tensorflow.keras.DistributedOptimizer``) the gradients are quantized and sent
-as fp16. Either way call :func:`refit` once per step, eagerly, to keep adaptive levels fitted
-(``horovod_aq.keras.RefitCallback`` does it in ``model.fit``).
+as fp16. Either way adaptive levels are refitted on schedule with no extra call: steps end by
+themselves (docs/protocol.md §14); :func:`refit` is the explicit, optional form.
 
 ``horovod_aq.tensorflow.kernels`` needs only TensorFlow; the integration needs Horovod, imported
 here so that, under an MPI launcher, mpi4py can initialize MPI before Horovod (see

@@ -6,6 +6,12 @@ Inside ``tf.function`` invalid input cannot raise the numpy codec's ``ValueError
 values. Header fields are located by ``horovod_aq.codec.format.HEADER_FIELDS``.
 :func:`translate_error` turns a failed assertion of the packed exchange back into the eager
 API's exception.
+
+The data of a payload (the CRC-32 of a checksummed row, the norms, the codes) is checked by
+:func:`checksum_check` and :func:`data_check`: the cheap test runs in the graph, and only a
+failing (or checksummed) row goes to the host, where the numpy oracle's own checks raise its
+``PayloadError`` and message — directly when executing eagerly, inside a
+``tf.errors.InvalidArgumentError`` ("PayloadError: …", see :func:`translate_error`) in a graph.
 """
 
 from __future__ import annotations
@@ -17,11 +23,18 @@ import numpy as np
 import tensorflow as tf
 
 from horovod_aq import codec
-from horovod_aq.codec import HEADER_SIZE, NonFiniteGradientError, PayloadError
+from horovod_aq.codec import (
+    FLAG_CHECKSUM,
+    FLAGS_OFFSET,
+    HEADER_SIZE,
+    NonFiniteGradientError,
+    PayloadError,
+)
+from horovod_aq.codec import reference as _reference
 from horovod_aq.packed.protocol import NONFINITE_MARK
 
-__all__ = ["decoder_header_check", "encoder_header_check", "field_value", "translate_error",
-           "values_check"]
+__all__ = ["checksum_check", "data_check", "decoder_header_check", "encoder_header_check",
+           "field_value", "translate_error", "values_check"]
 
 
 def values_check(flat: tf.Tensor, norms: tf.Tensor, n: int) -> list:
@@ -100,10 +113,18 @@ def decoder_header_check(headers: tf.Tensor, expected_u8: tf.Tensor) -> list:
         raise ValueError(f"expected_header_u8 must be {HEADER_SIZE} uint8 bytes, got shape "
                          f"{expected_u8.shape}")
     checks: list = []
+    # a checksummed row (FLAG_CHECKSUM) differs from the expected header only in that flag and
+    # in its CRC field, which the data check verifies
+    checksummed = tf.bitwise.bitwise_and(headers[:, FLAGS_OFFSET], FLAG_CHECKSUM) > 0
     for name, field in codec.HEADER_FIELDS.items():
         lo, hi = field.start, field.stop
         got, want = headers[:, lo:hi], expected_u8[None, lo:hi]
+        if name == "flags":
+            keep = tf.constant(0xFF ^ FLAG_CHECKSUM, tf.uint8)
+            got, want = tf.bitwise.bitwise_and(got, keep), tf.bitwise.bitwise_and(want, keep)
         same = tf.reduce_all(tf.equal(got, want), axis=1)
+        if name == "reserved":
+            same = same | checksummed
         rank = tf.argmin(tf.cast(same, tf.int32))
         if name == "magic":
             advice = "not a horovod_aq payload (wrong buffer or corrupted data)"
@@ -126,8 +147,66 @@ def decoder_header_check(headers: tf.Tensor, expected_u8: tf.Tensor) -> list:
     return checks
 
 
+def _host_checksums(rows: np.ndarray, average: bool) -> np.ndarray:
+    """Verify the CRC-32 of the checksummed rows (``codec.check_checksums``; ``average``: the
+    error names the rank, as ``codec.decode_average``)."""
+    headers = [codec.parse_header(row) for row in rows]
+    if average:
+        _reference.check_checksums(rows, headers)
+    else:
+        codec.check_checksum(rows[0], headers[0])
+    return np.bool_(True)
+
+
+def checksum_check(rows: tf.Tensor, average: bool) -> list:
+    """Graph check of the rows [P, size] whose header carries ``FLAG_CHECKSUM``: their CRC-32
+    is verified on the host (``tf.numpy_function``, only when a row is flagged)."""
+    flagged = tf.reduce_any(tf.bitwise.bitwise_and(rows[:, FLAGS_OFFSET], FLAG_CHECKSUM) > 0)
+
+    def verify():
+        ok = tf.numpy_function(lambda r: _host_checksums(r, average), [rows], tf.bool,
+                               stateful=False, name="aq_verify_checksum")
+        return tf.reshape(ok, [])
+
+    return [tf.cond(flagged, verify, lambda: tf.constant(True))]
+
+
+def _host_refusal(rows: np.ndarray, levels: np.ndarray, average: bool) -> np.ndarray:
+    """The oracle's data checks of every row (``codec.check_data``), which raise its error."""
+    for rank, row in enumerate(rows):
+        try:
+            _reference.check_data(row, codec.parse_header(row), int(np.asarray(levels).size))
+        except PayloadError as err:
+            if average:
+                _reference._name_rank(err, rank)
+            raise
+    raise PayloadError("horovod_aq.tensorflow: the graph check refused a payload that the numpy "
+                       "codec accepts (please report this bug)")
+
+
+def data_check(rows: tf.Tensor, levels: tf.Tensor, ok: tf.Tensor, average: bool) -> list:
+    """Graph check: ``ok`` (every norm finite and ≥ 0, every code < N, computed in the graph);
+    else the rows go to the host, where the oracle's checks raise its ``PayloadError``."""
+    def refuse():
+        out = tf.numpy_function(lambda r, lv: _host_refusal(r, lv, average), [rows, levels],
+                                tf.bool, stateful=False, name="aq_refuse_payload")
+        return tf.reshape(out, [])
+
+    return [tf.cond(ok, lambda: tf.constant(True), refuse)]
+
+
 def translate_error(err: tf.errors.InvalidArgumentError) -> Exception:
-    """A graph assertion of the exchange as the eager API's exception (PayloadError/ValueError)."""
+    """A graph assertion of the exchange as the eager API's exception (PayloadError/ValueError).
+
+    Also a ``PayloadError`` raised on the host inside the graph (``tf.numpy_function``: the data
+    checks, the fused decoder), whose message TensorFlow wraps as "PayloadError: …"."""
+    raised = re.search(r"PayloadError: ([^\n]*)", err.message)
+    if raised is not None:
+        out = PayloadError(raised.group(1).strip())
+        rank = re.match(r"rank (\d+): ", str(out))
+        if rank is not None:
+            out.rank = int(rank.group(1))
+        return out
     found = re.search(r"assertion failed: (.*)", err.message)
     if found is None:
         return err

@@ -26,6 +26,12 @@ Bit-exactness rules followed here:
   into ``x * (1 / constant)``, which is not IEEE division, and P is a constant once shapes are
   static. Every other divisor is computed from the data.
 
+Decoders refuse what the numpy oracle refuses: besides the header checks, every norm must be
+finite and ≥ 0 and every code < N (checked in the graph; a failing payload is handed to the
+oracle's checks on the host, which raise its ``PayloadError``), and a checksummed payload
+(``FLAG_CHECKSUM``) must match its CRC-32 (verified on the host, ``tf.numpy_function``).
+``checksum=True`` on the encoders writes it (computed on the host as well).
+
 TensorFlow's CPU kernels flush float32 subnormals to zero. The level table is flushed the same
 way in every framework (``codec.float32_levels``), so this matters only for gradients holding
 values below 1.2e-38 (see the ``codec.reference`` docstring): there the bytes may differ from
@@ -47,7 +53,13 @@ from horovod_aq import codec
 from horovod_aq.codec import HEADER_SIZE, NORM_BYTES, PayloadError
 from horovod_aq.codec.stream import UNIFORM_BITS, WORDS_PER_COUNTER, StreamKey, philox4x32
 from horovod_aq.levels.table import LevelTable
-from horovod_aq.tensorflow.checks import decoder_header_check, encoder_header_check, values_check
+from horovod_aq.tensorflow.checks import (
+    checksum_check,
+    data_check,
+    decoder_header_check,
+    encoder_header_check,
+    values_check,
+)
 from horovod_aq.tensorflow.stats import bucket_moments
 
 __all__ = ["bucket_moments", "bucket_norms", "bucket_stats", "decode", "decode_average",
@@ -194,7 +206,8 @@ _DEVICES: dict[str, bool] = {}
 
 
 def _fused_encode(flat: tf.Tensor, levels: tf.Tensor, header_u8: tf.Tensor, *, n: int, bits: int,
-                  bucket_size: int, norm: str, key: Any, deps: list) -> tf.Tensor:
+                  bucket_size: int, norm: str, key: Any, deps: list,
+                  checksum: bool = False) -> tf.Tensor:
     """The fused CPU encode of ``horovod_aq.codec.fused.encode_with`` as a graph op."""
     from horovod_aq.codec import fused
 
@@ -203,7 +216,7 @@ def _fused_encode(flat: tf.Tensor, levels: tf.Tensor, header_u8: tf.Tensor, *, n
 
     def run(x, lv, hd, sc):
         return fused.encode_with(x, lv, hd, bits=bits, bucket_size=bucket_size, norm=norm,
-                                 key=tuple(int(v) for v in sc))
+                                 key=tuple(int(v) for v in sc), checksum=checksum)
 
     with tf.control_dependencies(deps):
         out = tf.numpy_function(run, [flat, levels, header_u8, scalars], tf.uint8,
@@ -309,6 +322,7 @@ def encode_with(
     seed: Any = None,
     check: bool = True,
     key: Any = None,
+    checksum: bool = False,
 ) -> tf.Tensor:
     """Encode x into a uint8 payload of ``codec.payload_size(n, bits, bucket_size)`` bytes.
 
@@ -323,7 +337,10 @@ def encode_with(
             an int or a shape-[2] tensor (stateless), or a ``tf.random.Generator``.
         check: add the graph assertions (finite values, header fields). ``encode`` turns them off
             when it has already checked eagerly.
+        checksum: set ``FLAG_CHECKSUM`` and write the CRC-32 (``codec.encode``'s ``checksum``;
+            computed on the host, ``tf.numpy_function``). ``header_u8`` stays as it is.
     """
+    checksum = codec.check_bool("checksum", checksum)
     bits = codec.check_bits(bits)
     bucket_size = codec.check_bucket_size(bucket_size)
     norm = codec.check_norm(norm)
@@ -337,26 +354,52 @@ def encode_with(
         deps = header_checks + (values_check(flat, _norms(flat, n, bucket_size, norm), n)
                                 if check else [])
         return _fused_encode(flat, levels, header_u8, n=n, bits=bits, bucket_size=bucket_size,
-                             norm=norm, key=key, deps=deps)
+                             norm=norm, key=key, deps=deps, checksum=checksum)
     codes, norms, n = _quantize_codes(flat, levels, bucket_size=bucket_size, norm=norm,
                                       uniforms=uniforms, seed=seed, check=check,
                                       extra_deps=header_checks, key=key)
-    return tf.concat([header_u8, tf.reshape(tf.bitcast(norms, tf.uint8), [-1]),
-                      _pack(codes, n, bits)], axis=0)
+    payload = tf.concat([header_u8, tf.reshape(tf.bitcast(norms, tf.uint8), [-1]),
+                         _pack(codes, n, bits)], axis=0)
+    return _seal(payload) if checksum else payload
+
+
+def _seal(payload: tf.Tensor) -> tf.Tensor:
+    """``codec.seal_checksum`` of a payload tensor (on the host)."""
+    sealed = tf.numpy_function(lambda p: codec.seal_checksum(np.array(p, dtype=np.uint8)),
+                               [payload], tf.uint8, stateful=False, name="aq_seal_checksum")
+    sealed.set_shape(payload.shape)
+    return sealed
 
 
 # ----------------------------------------------------------------------------------- decode
 
 
-def _dequantize(row: tf.Tensor, lookup: tf.Tensor, n: int, bits: int, bucket_size: int):
-    """float32 values of one payload row of exact size (codec step 6)."""
+def _dequantize(row: tf.Tensor, lookup: tf.Tensor, n: int, bits: int, bucket_size: int,
+                num_levels: tf.Tensor | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+    """float32 values of one payload row of exact size (codec step 6), and a bool scalar: every
+    norm finite and ≥ 0 and (``num_levels`` given: tables with N < 2^b) every code < N."""
     if n == 0:
-        return tf.zeros([0], tf.float32)
+        return tf.zeros([0], tf.float32), tf.constant(True)
     nb = codec.num_buckets(n, bucket_size)
     codes_at = HEADER_SIZE + NORM_BYTES * nb
     norms = tf.bitcast(tf.reshape(row[HEADER_SIZE:codes_at], [nb, NORM_BYTES]), tf.float32)
-    values = tf.gather(lookup, _unpack(row[codes_at:], n, bits))
-    return _per_bucket(tf.math.multiply, values, norms, n, bucket_size)
+    codes = _unpack(row[codes_at:], n, bits)
+    ok = tf.reduce_all(tf.math.is_finite(norms) & (norms >= 0))
+    if num_levels is not None:
+        ok = ok & (tf.reduce_max(codes) < num_levels)
+    values = tf.gather(lookup, codes)
+    # min(B, n): the same buckets (B > n is one bucket of n elements)
+    return _per_bucket(tf.math.multiply, values, norms, n, min(bucket_size, n)), ok
+
+
+def _code_limit(levels_f32: Any, bits: int) -> tf.Tensor | None:
+    """N as an int32 tensor when a code can exceed the table (N < 2^b, or N unknown while
+    tracing); None when the static table has all 2^b levels."""
+    levels = tf.convert_to_tensor(levels_f32)
+    static = levels.shape.num_elements()
+    if static is not None and static >= 1 << bits:
+        return None
+    return tf.size(levels, out_type=tf.int32)
 
 
 def _lookup(levels_f32: Any, bits: int) -> tf.Tensor:
@@ -393,11 +436,15 @@ def decode_with(
     bucket_size: int,
     dtype: tf.DType = tf.float32,
     check: bool = True,
+    verify: bool = True,
 ) -> tf.Tensor:
     """Decode one uint8 payload into a flat tensor of ``dtype``.
 
     The payload's header must equal ``expected_header_u8`` byte for byte (graph assertions name
-    the first differing field) and its size must be ``payload_size(numel, bits, bucket_size)``.
+    the first differing field; ``check``), except for ``FLAG_CHECKSUM`` and the CRC field, and
+    its size must be ``payload_size(numel, bits, bucket_size)``. ``verify`` (default): the CRC-32
+    of a checksummed payload, every norm finite and ≥ 0, every code < N (the oracle's data
+    checks and errors); turn it off only for a payload this process has just encoded.
     """
     bits = codec.check_bits(bits)
     payload = tf.convert_to_tensor(payload, dtype=tf.uint8)
@@ -405,8 +452,17 @@ def decode_with(
         raise PayloadError(f"a payload must be 1-D uint8, got shape {payload.shape}")
     size = codec.payload_size(numel, bits, bucket_size)
     checks = _check_rows(payload[None], size, expected_header_u8, check)
+    if verify:
+        with tf.control_dependencies(checks):
+            checks = checks + checksum_check(payload[None], average=False)
     with tf.control_dependencies(checks):
-        values = _dequantize(payload, _lookup(levels_f32, bits), numel, bits, bucket_size)
+        limit = _code_limit(levels_f32, bits) if verify else None
+        values, ok = _dequantize(payload, _lookup(levels_f32, bits), numel, bits, bucket_size,
+                                 limit)
+    if verify:
+        with tf.control_dependencies(data_check(payload[None], tf.cast(levels_f32, tf.float32),
+                                                ok, average=False)):
+            values = tf.identity(values)
     return tf.cast(values, dtype)
 
 
@@ -420,11 +476,13 @@ def decode_average_with(
     bucket_size: int,
     dtype: tf.DType = tf.float32,
     check: bool = True,
+    verify: bool = True,
 ) -> tf.Tensor:
     """Decode the P rows of a gathered [P, size] buffer and average them (codec step 7).
 
     Rows are added in rank order inside a ``tf.while_loop`` and the sum is divided by P with
     ``divide_no_nan`` (a true division even when P is a graph constant). P may be dynamic.
+    ``check`` and ``verify`` as in ``decode_with``; errors name the rank ("rank r: …").
     """
     bits = codec.check_bits(bits)
     payloads = tf.convert_to_tensor(payloads, dtype=tf.uint8)
@@ -437,7 +495,7 @@ def decode_average_with(
     if use_fused():
         from horovod_aq.codec import fused
 
-        def run(rows, lv):
+        def run(rows, lv):  # verifies checksums, norms and codes itself (the oracle's errors)
             return fused.decode_average_with(rows, lv, numel=numel, bits=bits,
                                              bucket_size=bucket_size)
 
@@ -446,15 +504,27 @@ def decode_average_with(
                                     stateful=False, name="aq_fused_decode_average")
         avg.set_shape([numel])
         return tf.cast(avg, dtype)
+    if verify:
+        with tf.control_dependencies(checks):
+            checks = checks + checksum_check(payloads, average=True)
     with tf.control_dependencies(checks):
         lookup = _lookup(levels_f32, bits)
-        acc = _dequantize(payloads[0], lookup, numel, bits, bucket_size)
+        limit = _code_limit(levels_f32, bits) if verify else None
+        divisor = tf.cast(world, tf.float32)
+        acc, ok = _dequantize(payloads[0], lookup, numel, bits, bucket_size, limit)
+        acc = tf.math.divide_no_nan(acc, divisor)   # each row / P before the sum (no overflow)
 
-        def body(rank, total):
-            return rank + 1, total + _dequantize(payloads[rank], lookup, numel, bits, bucket_size)
+        def body(rank, total, valid):
+            values, row_ok = _dequantize(payloads[rank], lookup, numel, bits, bucket_size, limit)
+            return rank + 1, total + tf.math.divide_no_nan(values, divisor), valid & row_ok
 
-        _, acc = tf.while_loop(lambda rank, total: rank < world, body, (tf.constant(1), acc))
-        avg = tf.math.divide_no_nan(acc, tf.cast(world, tf.float32))
+        _, acc, ok = tf.while_loop(lambda rank, total, valid: rank < world, body,
+                                   (tf.constant(1), acc, ok))
+        avg = acc
+    if verify:
+        with tf.control_dependencies(data_check(payloads, tf.cast(levels_f32, tf.float32), ok,
+                                                average=True)):
+            avg = tf.identity(avg)
     return tf.cast(avg, dtype)
 
 
@@ -480,9 +550,10 @@ def encode(
     seed: Any = None,
     uniforms: Any = None,
     key: Any = None,
+    checksum: bool = False,
 ) -> tf.Tensor:
     """``codec.encode`` in TensorFlow (see ``encode_with`` for ``key`` / ``seed`` /
-    ``uniforms``)."""
+    ``uniforms`` / ``checksum``)."""
     table = codec.as_table(levels)
     bucket_size = codec.check_bucket_size(bucket_size)
     norm = codec.check_norm(norm)
@@ -495,7 +566,7 @@ def encode(
             codec.draw_uniforms(n, uniforms=np.asarray(uniforms))
     return encode_with(flat, levels_tensor(table), header_tensor(n, table, bucket_size, norm),
                        bits=table.bits, bucket_size=bucket_size, norm=norm, uniforms=uniforms,
-                       seed=seed, check=not eager, key=key)
+                       seed=seed, check=not eager, key=key, checksum=checksum)
 
 
 def quantize(
@@ -529,13 +600,15 @@ def quantize(
     return tf.cast(_per_bucket(tf.math.multiply, values, norms, n, bucket_size), dtype)
 
 
-def _eager_headers(rows: tf.Tensor, table, numel, bucket_size, norm) -> codec.Header:
-    """Validate payload headers on the host with the numpy codec's messages; returns row 0's."""
+def _eager_headers(rows: tf.Tensor, table, numel, bucket_size, norm,
+                   average: bool) -> codec.Header:
+    """Validate payload headers on the host with the numpy codec's messages; returns row 0's.
+    ``average``: errors name the rank, as ``codec.decode_average``'s."""
     if rows.shape[1] < HEADER_SIZE:
-        codec.parse_header(rows[0].numpy())  # raises "truncated"
-    headers = [codec.parse_header(h) for h in rows[:, :HEADER_SIZE].numpy()]
+        codec.parse_rows(rows[:1].numpy(), name_rank=average)  # raises "truncated"
+    headers = codec.parse_rows(rows[:, :HEADER_SIZE].numpy(), name_rank=average)
     return codec.check_rows(headers, table, int(rows.shape[1]), numel=numel,
-                            bucket_size=bucket_size, norm=norm, name_rank=len(headers) > 1)
+                            bucket_size=bucket_size, norm=norm, name_rank=average)
 
 
 def _graph_settings(table, numel, bucket_size, norm) -> tuple[int, int, str]:
@@ -560,7 +633,7 @@ def decode(
     if payload.shape.rank != 1:
         raise PayloadError(f"a payload must be 1-D uint8, got shape {payload.shape}")
     if tf.executing_eagerly():
-        header = _eager_headers(payload[None], table, numel, bucket_size, norm)
+        header = _eager_headers(payload[None], table, numel, bucket_size, norm, average=False)
         numel, bucket_size, norm = header.numel, header.bucket_size, header.norm
         check = False
     else:
@@ -580,14 +653,14 @@ def decode_average(
     bucket_size: int | None = None,
     norm: str | None = None,
 ) -> tf.Tensor:
-    """``codec.decode_average`` in TensorFlow (rank-order float32 sum, then / P)."""
+    """``codec.decode_average`` in TensorFlow (each row / P, then a rank-order float32 sum)."""
     table = codec.as_table(levels)
     payloads = tf.convert_to_tensor(payloads, dtype=tf.uint8)
     if payloads.shape.rank != 2 or (payloads.shape[0] is not None and payloads.shape[0] == 0):
         raise PayloadError(
             f"gathered payloads must be a non-empty [P, size] uint8 tensor, got {payloads.shape}")
     if tf.executing_eagerly():
-        header = _eager_headers(payloads, table, numel, bucket_size, norm)
+        header = _eager_headers(payloads, table, numel, bucket_size, norm, average=True)
         numel, bucket_size, norm = header.numel, header.bucket_size, header.norm
         check = False
     else:

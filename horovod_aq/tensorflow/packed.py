@@ -69,6 +69,7 @@ from horovod_aq.tensorflow.state import (
     tf_state,
 )
 from horovod_aq.tensorflow.stats import aggregate_sum_sq
+from horovod_aq.tensorflow.step import end_step_in_graph
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class _Plan:
     small: list[int]
     layout: int
     offsets: dict[int, int]          # source position -> offset inside its bucket
-    fn: Any = None                   # eager entry: tf.function over the exchange
+    fns: dict = dataclasses.field(default_factory=dict)  # eager entries by "raise" flag
     checked: bool = False
     traffic: dict[int, Traffic] = dataclasses.field(default_factory=dict)  # by code width
 
@@ -136,6 +137,8 @@ class PackedExchange:
         self._calls_seen = 0
         self._skipped_seen = 0
         self._slot_ids = itertools.count()
+        #: Tapes' local gradient aggregations by backward_passes_per_step (aggregation_for).
+        self._aggregations: dict[int, LocalAggregation] = {}
 
     # ------------------------------------------------------------------ public
     @property
@@ -152,22 +155,31 @@ class PackedExchange:
     def reduce(self, grads: Sequence[Any], sources: Sequence[Any]) -> list[Any]:
         """Average ``grads`` (one per source; None stays None) over the process set.
 
-        IndexedSlices are densified. Works eagerly and inside ``tf.function``. With the
-        compressor's ``nonfinite="skip"``, tensors of a bucket in which some rank had NaN/Inf come
-        back NaN on every rank (see :meth:`reduce_with_status`).
+        IndexedSlices (an ``Embedding``'s gradient) are densified to their source's static
+        shape. Works eagerly and inside ``tf.function``. With the compressor's
+        ``nonfinite="skip"``, tensors of a bucket in which some rank had NaN/Inf come back NaN on
+        every rank (see :meth:`reduce_with_status`).
         """
         return self.reduce_with_status(grads, sources)[0]
 
     @tf.autograph.experimental.do_not_convert
-    def reduce_with_status(self, grads: Sequence[Any],
-                           sources: Sequence[Any]) -> tuple[list[Any], tf.Tensor]:
+    def reduce_with_status(self, grads: Sequence[Any], sources: Sequence[Any], *,
+                           nonfinite: str | None = None) -> tuple[list[Any], tf.Tensor]:
         """:meth:`reduce`, plus a bool tensor: whether a rank sent non-finite markers (the step
-        should be skipped on every rank; only with ``nonfinite="skip"``, else that raises)."""
+        should be skipped on every rank; only with ``nonfinite="skip"``, else that raises).
+
+        ``nonfinite`` overrides the compressor's setting for this call ("skip": the markers'
+        buckets come back NaN on every rank and nothing raises — what a ``LossScaleOptimizer``
+        needs, since it decides on the averaged gradients)."""
         grads = list(grads)
         sources = list(sources)
         if len(grads) != len(sources):
             raise ValueError(f"got {len(grads)} gradients for {len(sources)} sources")
-        dense = [None if g is None else _dense(g) for g in grads]
+        mode = self.compression.nonfinite if nonfinite is None else nonfinite
+        if mode not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {mode!r}")
+        raise_nonfinite = mode == "raise"
+        dense = [None if g is None else dense_gradient(g, s) for g, s in zip(grads, sources)]
         present = [i for i, g in enumerate(dense) if g is not None]
         if not self.active or not present:
             return dense, tf.constant(False)
@@ -181,16 +193,24 @@ class PackedExchange:
             self._handshake(plan)
         tensors = [dense[i] for i in present]
         if tf.executing_eagerly():
+            fn = plan.fns.get(raise_nonfinite)
+            if fn is None:
+                fn = plan.fns[raise_nonfinite] = tf.function(
+                    functools.partial(self._exchange_args, plan, raise_nonfinite),
+                    autograph=False)
             try:
-                outs, skipped = plan.fn(*tensors)
+                outs, skipped = fn(*tensors)
             except tf.errors.InvalidArgumentError as err:
                 raise translate_error(err) from None
         else:
-            outs, skipped = self._exchange(plan, tensors)
+            outs, skipped = self._exchange(plan, tensors, raise_nonfinite)
         result = list(dense)
         for i, out in zip(present, outs):
             result[i] = out
         return result, skipped
+
+    def _exchange_args(self, plan: _Plan, raise_nonfinite: bool, *tensors: tf.Tensor):
+        return self._exchange(plan, list(tensors), raise_nonfinite)
 
     def end_step(self) -> bool:
         """End the training step (eager): refit when due, record telemetry. See
@@ -277,7 +297,6 @@ class PackedExchange:
             for m in b.members:
                 plan.offsets[m] = offset
                 offset += numels[m]
-        plan.fn = tf.function(lambda *ts: self._exchange(plan, list(ts)), autograph=False)
         self._plans[key] = plan
         self._plan_list.append(plan)
         return plan
@@ -364,13 +383,13 @@ class PackedExchange:
 
     def _nonfinite_check(self, plan: _Plan, bucket: BucketPlan, rows: tf.Tensor,
                          check: bool = True):
-        """(any marker among ``rows``, the op that raises on one when nonfinite="raise").
+        """(any marker among ``rows``, the op raising on one when ``check``: nonfinite="raise").
 
         Every rank gathered the same rows, so every rank decides alike. The message names the
         first flagged rank and the source holding the first bad element."""
         flagged = tf.bitwise.bitwise_and(rows[:, FLAGS_OFFSET], FLAG_NONFINITE) > 0
         any_bad = tf.reduce_any(flagged)
-        if self.compression.nonfinite != "raise" or not check:
+        if not check:
             return any_bad, tf.no_op()
         rank = tf.argmax(tf.cast(flagged, tf.int32), output_type=tf.int32)
         where = tf.bitcast(rows[rank, MARKER_INDEX_OFFSET:HEADER_SIZE], tf.uint32)
@@ -474,10 +493,11 @@ class PackedExchange:
     def _slot(self, numel: int, bucket: str) -> StatsSlot | None:
         return self._state.new_slot(numel, f"{bucket}#{next(self._slot_ids)}")
 
-    def _exchange(self, plan: _Plan, tensors: list[tf.Tensor]) -> tuple[list[tf.Tensor], tf.Tensor]:
+    def _exchange(self, plan: _Plan, tensors: list[tf.Tensor],
+                  raise_nonfinite: bool = True) -> tuple[list[tf.Tensor], tf.Tensor]:
         """The exchange graph of one layout (module docstring: stages 1, 2a, 2b, 3). Returns the
-        averaged tensors and whether a rank sent non-finite markers (nonfinite="skip": the
-        affected tensors are NaN)."""
+        averaged tensors and whether a rank sent non-finite markers (``raise_nonfinite`` False,
+        nonfinite="skip": the affected tensors are NaN)."""
         comp, P, ps, st = self.compression, self.ranks, self.process_set, self._state
         ef = st.error_memory
         B = comp.bucket_size if comp.quantizes else 1
@@ -528,7 +548,7 @@ class PackedExchange:
                 if b.mode == "two_phase":
                     m = chunk_numel(b.numel, P, B)
                     rows = self._rows(first[b.index], m, b)
-                    bad, check = self._nonfinite_check(plan, b, rows)
+                    bad, check = self._nonfinite_check(plan, b, rows, raise_nonfinite)
                     skipped.append(bad)
                     with tf.control_dependencies([check]):
                         chunk_avgs[b.index] = tf.cond(
@@ -550,7 +570,7 @@ class PackedExchange:
             for b in plan.buckets:
                 if b.mode == "allgather":
                     rows = self._rows(first[b.index], b.numel, b)
-                    bad, check = self._nonfinite_check(plan, b, rows)
+                    bad, check = self._nonfinite_check(plan, b, rows, raise_nonfinite)
                     skipped.append(bad)
                     with tf.control_dependencies([check]):
                         flat = tf.cond(bad, lambda b=b: tf.fill([b.numel], nan),
@@ -581,13 +601,194 @@ class PackedExchange:
         counters = [self._calls.assign_add(1), self._plan_id.assign(plan.index),
                     self._skipped.assign_add(tf.cast(any_skipped, tf.int64))]
         with tf.control_dependencies(side_effects + counters):
+            ended = end_step_in_graph(comp, ps)     # refit when due, telemetry (step.py)
+        with tf.control_dependencies([ended]):
             outs = [tf.identity(results[pos]) for pos in range(len(tensors))]
             return outs, tf.identity(any_skipped)
 
 
-def _dense(g: Any) -> tf.Tensor:
-    """A dense tensor (IndexedSlices, e.g. from an embedding, are scattered into one)."""
-    return tf.convert_to_tensor(g)
+class LocalAggregation:
+    """Horovod's local gradient aggregation (``backward_passes_per_step``) in variables.
+
+    :meth:`add` adds one micro-batch's dense gradients into float sums (one non-trainable
+    variable per gradient, created eagerly on first use, per layout) and counts the call; the
+    returned bool tensor is True at every ``passes``-th call — identical on every rank, which
+    makes the same number of calls. :meth:`take`, placed in the branch that exchanges, reads the
+    sums and resets them and the counter. The exchange — and so the compressor's step
+    (docs/protocol.md §14) — runs only in that branch: steps count exchanges, not micro-batches.
+    """
+
+    def __init__(self, passes: int, name: str) -> None:
+        if isinstance(passes, bool) or not isinstance(passes, (int, np.integer)) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+        self.passes = int(passes)
+        self.name = name
+        self.counter = state_variable(np.int64(0), name=f"aq_agg_count_{name}")
+        self._sums: dict[tuple, list[tf.Variable | None]] = {}
+
+    def _variables(self, dense: list[Any]) -> list[tf.Variable | None]:
+        key = tuple(None if g is None else (tuple(g.shape.as_list()), g.dtype.name)
+                    for g in dense)
+        found = self._sums.get(key)
+        if found is None:
+            found = [None if g is None else state_variable(
+                np.zeros(g.shape.as_list(), dtype=g.dtype.as_numpy_dtype),
+                name=f"aq_agg_{self.name}_{len(self._sums)}_{i}") for i, g in enumerate(dense)]
+            self._sums[key] = found
+        return found
+
+    def add(self, dense: list[Any]) -> tuple[tf.Tensor, list[tf.Variable | None]]:
+        """Add ``dense`` (static shapes; None skipped) to the sums; (ready, sums)."""
+        sums = self._variables(dense)
+        adds = [v.assign_add(g) for v, g in zip(sums, dense) if g is not None]
+        with tf.control_dependencies(adds):
+            count = self.counter.assign_add(1)
+        return tf.equal(count, self.passes), sums
+
+    def take(self, sums: list[tf.Variable | None]) -> list[tf.Tensor | None]:
+        """The accumulated sums; the sums and the counter restart from zero (graph op)."""
+        values = [None if v is None else v.read_value() for v in sums]
+        read = [x for x in values if x is not None]
+        with tf.control_dependencies(read):
+            resets = [v.assign(tf.zeros_like(v)) for v in sums if v is not None]
+            resets.append(self.counter.assign(0))
+        with tf.control_dependencies(resets):
+            return [None if x is None else tf.identity(x) for x in values]
+
+    def pending(self) -> int:
+        """Micro-batches accumulated since the last exchange (eager)."""
+        return int(self.counter.numpy())
+
+
+class GradientReducer:
+    """What Horovod's tape and Keras optimizer do around the allreduce, on the packed exchange.
+
+    * **Local sources** (:meth:`register_local`, Horovod's ``register_local_source`` /
+      ``register_local_var``; model parallelism): their gradients are not exchanged; with
+      ``scale_local_gradients`` (Horovod's default) they are divided by the set size.
+    * **Local aggregation** (:meth:`aggregate`, ``backward_passes_per_step``): sums of N
+      micro-batches are exchanged every N-th call, divided by N with
+      ``average_aggregated_gradients``.
+
+    Sources are matched by identity (Keras 3 variables have no ``ref()``).
+    """
+
+    def __init__(self, exchange: PackedExchange, *, scale_local_gradients: bool = True) -> None:
+        self.exchange = exchange
+        self.scale_local_gradients = bool(scale_local_gradients)
+        self._local: dict[int, Any] = {}
+
+    def register_local(self, source: Any) -> None:
+        self._local[id(source)] = source
+
+    def is_local(self, source: Any) -> bool:
+        return id(source) in self._local
+
+    @property
+    def local_sources(self) -> list[Any]:
+        return list(self._local.values())
+
+    def reduce(self, grads: Sequence[Any], sources: Sequence[Any], *,
+               nonfinite: str | None = None) -> tuple[list[Any], tf.Tensor]:
+        """Average the gradients of non-local sources (:meth:`PackedExchange.reduce_with_status`)
+        and scale the local ones; (gradients in ``sources`` order, skipped)."""
+        grads, sources = list(grads), list(sources)
+        shared = [i for i, s in enumerate(sources) if not self.is_local(s)]
+        if len(shared) == len(sources):
+            return self.exchange.reduce_with_status(grads, sources, nonfinite=nonfinite)
+        reduced, skipped = self.exchange.reduce_with_status(
+            [grads[i] for i in shared], [sources[i] for i in shared], nonfinite=nonfinite)
+        out = list(grads)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        if self.scale_local_gradients and self.exchange.included:
+            size = float(self.exchange.process_set.size())
+            for i, s in enumerate(sources):
+                if self.is_local(s) and out[i] is not None:
+                    out[i] = _scaled(out[i], 1.0 / size)
+        return out, skipped
+
+    def aggregate(self, aggregation: LocalAggregation, grads: Sequence[Any],
+                  sources: Sequence[Any], *, average: bool,
+                  nonfinite: str | None = None) -> tuple[list[Any], tf.Tensor, tf.Tensor]:
+        """Add one micro-batch; at every N-th call exchange the sums (÷N when ``average``).
+
+        Returns (gradients, exchanged, skipped): on calls that do not exchange the gradients
+        are zeros and ``exchanged`` is False (apply nothing then; Horovod's optimizers count the
+        iteration only)."""
+        sources = list(sources)
+        dense = [None if g is None else dense_gradient(g, s) for g, s in zip(grads, sources)]
+        for i, g in enumerate(dense):
+            if g is not None:
+                _static_shape(g, source_name(sources[i], i))
+        ready, sums = aggregation.add(dense)
+        present = [i for i, g in enumerate(dense) if g is not None]
+
+        def exchange() -> list[tf.Tensor]:
+            values = aggregation.take(sums)
+            reduced, skipped = self.reduce(values, sources, nonfinite=nonfinite)
+            if average and aggregation.passes > 1:
+                reduced = [None if g is None else _scaled(g, 1.0 / aggregation.passes)
+                           for g in reduced]
+            return [tf.convert_to_tensor(reduced[i]) for i in present] + [skipped]
+
+        def wait() -> list[tf.Tensor]:
+            return [tf.zeros_like(dense[i]) for i in present] + [tf.constant(False)]
+
+        outs = tf.cond(ready, exchange, wait)
+        result: list[Any] = [None] * len(dense)
+        for i, g in zip(present, outs[:-1]):
+            result[i] = g
+        return result, ready, outs[-1]
+
+
+def _scaled(g: Any, factor: float) -> Any:
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices,
+                                g.dense_shape)
+    return g * tf.cast(factor, g.dtype)
+
+
+def aggregation_for(exchange: PackedExchange, passes: int) -> LocalAggregation:
+    """The :class:`LocalAggregation` of ``passes`` shared by every tape built on ``exchange``
+    (tapes are rebuilt every step or trace; the sums must outlive them)."""
+    with exchange._state.lock:
+        found = exchange._aggregations.get(passes)
+        if found is None:
+            found = exchange._aggregations[passes] = LocalAggregation(
+                passes, f"{op_name(exchange.prefix)}_tape{passes}")
+    return found
+
+
+def source_shape(source: Any) -> tf.TensorShape:
+    """The static shape of a gradient source (Keras 3 variables: a tuple; ``tf.Variable``: a
+    TensorShape); unknown when it has none."""
+    shape = getattr(source, "shape", None)
+    try:
+        return tf.TensorShape(shape)
+    except (TypeError, ValueError):
+        return tf.TensorShape(None)
+
+
+def dense_gradient(g: Any, source: Any = None) -> tf.Tensor:
+    """``g`` as a dense tensor with the static shape of ``source`` where TensorFlow lost it.
+
+    An ``Embedding``'s gradient is an IndexedSlices whose ``dense_shape`` is a tensor; once it
+    crossed a ``tf.function`` boundary (Horovod's eager sub-graph, a Keras train function) that
+    shape is unknown at trace time, and ``tf.convert_to_tensor`` gives [None, d]. Scattering the
+    slices into the variable's static row count (what Horovod's ``sparse_as_dense`` does, with
+    the shape kept) gives a tensor the packed exchange can bucket."""
+    shape = source_shape(source)
+    if isinstance(g, tf.IndexedSlices):
+        if shape.is_fully_defined() and shape.rank:
+            rows = tf.math.unsorted_segment_sum(g.values, g.indices, int(shape[0]))
+            return tf.reshape(rows, shape)
+        return tf.convert_to_tensor(g)
+    g = tf.convert_to_tensor(g)
+    if not g.shape.is_fully_defined() and shape.is_fully_defined() \
+            and g.shape.is_compatible_with(shape):
+        g = tf.ensure_shape(g, shape)
+    return g
 
 
 def _static_shape(g: tf.Tensor, name: str) -> list[int]:

@@ -116,8 +116,13 @@ class StatsSlot:
                                             name=f"aq_stats_hist_{label}")
         self.written_at = state_variable(np.int64(-1), name=f"aq_stats_step_{label}")
 
-    def record(self, flat: tf.Tensor) -> tf.Tensor:
-        """Graph op: when ``state.recording``, write the statistics of ``flat`` and the step."""
+    def record(self, flat: tf.Tensor, *, finite_only: bool = True) -> tf.Tensor:
+        """Graph op: when ``state.recording``, write the statistics of ``flat`` and the step.
+
+        With ``finite_only`` (default) a ``flat`` holding NaN/Inf (a step that every rank skips
+        or raises on, e.g. a loss-scale overflow) writes nothing: its statistics would poison
+        the fit, so this rank contributes nothing from this call site at this step (the check
+        runs on recording steps only)."""
         bucket_size = self.state.quantizer.bucket_size
 
         def write() -> tf.Tensor:
@@ -131,7 +136,10 @@ class StatsSlot:
         def skip() -> tf.Tensor:
             return tf.constant(-1, tf.int64)
 
-        return tf.cond(self.state.recording.read_value(), write, skip)
+        def guarded() -> tf.Tensor:
+            return tf.cond(tf.reduce_all(tf.math.is_finite(flat)), write, skip)
+
+        return tf.cond(self.state.recording.read_value(), guarded if finite_only else write, skip)
 
     def read(self, step: int) -> tuple[np.ndarray, ...] | None:
         """(norms, means, stds, histogram or None) if written at ``step`` (eager); zero buckets

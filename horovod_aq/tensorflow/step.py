@@ -1,20 +1,28 @@
-"""The eager end of a TensorFlow training step: refit adaptive levels when due, record telemetry.
+"""The end of a TensorFlow training step: refit adaptive levels when due, record telemetry.
 
-One function serves every TensorFlow way in, because all of them keep the compressor's table,
-flags and recorded statistics in the same :class:`~horovod_aq.tensorflow.state.TFState`:
+One protocol serves every TensorFlow way in, because all of them keep the compressor's table,
+flags and recorded statistics in the same :class:`~horovod_aq.tensorflow.state.TFState`. Steps
+end by themselves (docs/protocol.md §14), from inside the traced step, through a
+``tf.py_function`` (which runs eagerly in the middle of the graph, so the collectives below are
+ordinary eager Horovod/mpi4py calls and a refit changes only variables: no retrace):
 
+* the packed tape and the Keras 3 optimizer (:mod:`~horovod_aq.tensorflow.packed`) end the step
+  after the exchange's last collective: :func:`end_step_in_graph`;
 * Horovod's stock path (``hvd.DistributedGradientTape(tape, compression=comp)``, tf_keras'
-  ``hvd.DistributedOptimizer``): call ``horovod_aq.tensorflow.refit(comp)`` after each step;
-* the packed tape in a ``tf.function`` train step: call ``refit(comp)`` (or
-  ``tape.end_step()`` when the tape object lives outside the function) after each step;
-* Keras 3 ``model.fit``: ``horovod_aq.keras.RefitCallback`` calls it after each batch.
+  ``hvd.DistributedOptimizer``) only calls ``compress`` per tensor, so the first ``compress``
+  of each traced graph ends the *previous* step before it quantizes (:func:`begin_step_in_graph`):
+  the refit of step t still uses step t's statistics and takes effect at step t + 1.
+
+:func:`refit` (``horovod_aq.tensorflow.refit``, ``tape.end_step()``, Keras'
+``RefitCallback``) is the explicit, eager form: it ends the current step only if it is still open,
+so calling it as well never ends a step twice.
 
 Protocol (shared with PyTorch; ``Compressor.end_step``, docs/protocol.md §2): during a recording
 step the traced graphs wrote per-bucket statistics into slots; here they are handed to
 ``compressor.record_stats``, then ``compressor.end_step(comm)`` gathers them to rank 0 of the
 process set, fits, broadcasts the table (mpi4py under MPI, Horovod under Gloo) and advances the
 step. The table listener assigns the new levels to the variables the graphs read, and the
-recording flag / step variables are set for the next step — no retrace.
+recording flag / step variables are set for the next step.
 
 DQSGD: before ``end_step`` the in-graph sum of squares of the decoded aggregate (bitwise the same
 on every rank) is handed to ``observe_aggregate``; the core's rule picks the next width, which
@@ -40,19 +48,55 @@ logger = logging.getLogger(__name__)
 
 
 def refit(compressor: Any, *, process_set: hvd.ProcessSet | None = None) -> bool:
-    """End one training step of ``compressor`` on every rank of ``process_set``.
+    """End the current training step of ``compressor`` on every rank of ``process_set``, if it
+    has not ended by itself (module docstring).
 
-    Call it once per step, eagerly (outside ``tf.function``), after the optimizer step, on every
-    rank of the set (default: all ranks). Refits the levels when the schedule says so (the new
-    table is used from the next step) and records one telemetry record per packed exchange that
-    ran. With a single-member set nothing is exchanged or fitted; the step is only counted.
-    Returns whether the table changed.
+    Every TensorFlow path ends its steps automatically; this explicit form is for loops that
+    bypass them, and harmless after them. Call it eagerly (outside ``tf.function``), after the
+    optimizer step, on every rank of the set (default: all ranks). Refits the levels when the
+    schedule says so (the new table is used from the next step) and records one telemetry record
+    per packed exchange that ran. With a single-member set nothing is exchanged or fitted; the
+    step is only counted. Returns whether the table changed in the step that ended.
     """
     if not tf.executing_eagerly():
         raise RuntimeError(
             "horovod_aq.tensorflow.refit / end_step run the refit protocol eagerly between steps; "
-            "call it after your tf.function train step returns, not inside it (with model.fit use "
-            "horovod_aq.keras.RefitCallback)")
+            "call it after your tf.function train step returns, not inside it (steps also end "
+            "by themselves: the call is optional)")
+    if not compressor.quantizer.step_open:
+        return compressor.quantizer.last_refitted
+    return _end_step(compressor, process_set)
+
+
+def end_step_in_graph(compressor: Any, process_set: hvd.ProcessSet) -> tf.Tensor:
+    """Graph op ending the step that the enclosing exchange belongs to (returns True when run).
+
+    Place it after the exchange's side effects (statistics slots, counters, memory updates).
+    """
+    def end() -> bool:
+        compressor.quantizer.open_step()
+        _end_step(compressor, process_set)
+        return True
+
+    return tf.py_function(end, [], tf.bool, name="aq_end_step")
+
+
+def begin_step_in_graph(compressor: Any) -> tf.Tensor:
+    """Graph op for Horovod's stock path: end the previous step if it is open (refit when due,
+    collective on the global process set), then open this one. Returns True when run."""
+    def begin() -> bool:
+        q = compressor.quantizer
+        if q.step_open:
+            _end_step(compressor, None)
+        q.open_step()
+        return True
+
+    return tf.py_function(begin, [], tf.bool, name="aq_begin_step")
+
+
+def _end_step(compressor: Any, process_set: hvd.ProcessSet | None) -> bool:
+    """End the current step now (eager; also inside a py_function): refit when due, sync the
+    graph's variables, record telemetry."""
     process_set = process_set if process_set is not None else hvd.global_process_set
     if not process_set.included():
         return False
@@ -76,7 +120,7 @@ def refit(compressor: Any, *, process_set: hvd.ProcessSet | None = None) -> bool
             state.flush_stats()
         refitted = q.end_step(comm_for(process_set))
     else:
-        q.step += 1
+        q.advance_step()
         refitted = False
     resets = state.take_memory_resets()
     if resets:

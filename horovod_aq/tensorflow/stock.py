@@ -12,15 +12,26 @@ true quantization noise), dequantizes it and ships **fp16** — 2x less traffic 
 Everything below is graph code, traced once per gradient by Horovod:
 
 * levels and the table identity come from the compressor's :class:`~.state.TFState` variables,
-  so a refit (``horovod_aq.tensorflow.refit(compressor)``, eager, once per step) is seen by the
-  traced function without retracing;
+  so a refit is seen by the traced function without retracing; the first ``compress`` of each
+  traced graph ends the previous step (refit when due) before it quantizes
+  (:func:`step_boundary`), so no user call is needed;
 * uniforms come from the state's ``tf.random.Generator`` (this rank's stream);
 * when the compressor is recording, the tensor's bucket statistics are written into a
   :class:`~.state.StatsSlot` for the next ``refit``;
 * range guard: an fp16 *sum* over P ranks must stay finite, so max|q|·P ≤ 65504 is asserted
   (``tf.errors.InvalidArgumentError`` naming the remedy);
-* non-finite gradients: asserted on this rank (``nonfinite="raise"``), or sent as NaN so that
-  every rank's sum is NaN and every rank can skip the step (``nonfinite="skip"``).
+* non-finite gradients pass through, as with ``hvd.Compression.fp16``: the finite coordinates
+  are quantized, NaN/±Inf are sent as they are, so every rank's sum is non-finite in the same
+  places. With ``nonfinite="skip"`` that is all: the optimizer's own inf handling decides, alike
+  on every rank (a loss-scale optimizer lowers its scale; Horovod's local gradient aggregation
+  with ``backward_passes_per_step > 1`` clears its sums as with fp16). With
+  ``nonfinite="raise"`` (default) ``decompress`` asserts that the *sum* is finite, so every rank
+  raises the same ``InvalidArgumentError`` after the allreduce — none waits in a collective that
+  another rank left (the stock hook cannot say which rank or parameter);
+* shapes known only at run time (Horovod's eager ``sparse_as_dense``: the densified embedding
+  gradient enters Horovod's ``tf.function`` as [None, d]) are quantized by the numpy codec in a
+  ``tf.numpy_function`` (same table, this rank's stream, statistics recorded directly); the
+  graph kernels need static sizes.
 
 FP16 casts only; NoCompression never gets here (its ``compress`` is the identity). DQSGD is
 refused here (its width follows the aggregated gradient, which this path does not see in a
@@ -31,23 +42,54 @@ exchange.
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework.func_graph import FuncGraph
 
-from horovod_aq import stock
+from horovod_aq import codec, stock
 from horovod_aq.backend import horovod_world
 from horovod_aq.compressors import Compressor
-from horovod_aq.tensorflow import kernels
+from horovod_aq.tensorflow import compat, kernels
 from horovod_aq.tensorflow.state import tf_state
+from horovod_aq.tensorflow.step import begin_step_in_graph
+
+compat.install()   # Horovod's tape keys sources by ref(): Keras 3 variables get one
 
 FP16_MAX = stock.FP16_MAX
 _call_sites = itertools.count()
+#: Per traced graph, the compressors whose step boundary it already holds.
+_boundaries: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
 
 
-def quantize_local(compressor: Compressor, flat: tf.Tensor) -> tf.Tensor:
+def step_boundary(compressor: Compressor) -> list[tf.Tensor]:
+    """The step boundary op for the first ``compress`` of ``compressor`` in the graph being
+    traced (:func:`~horovod_aq.tensorflow.step.begin_step_in_graph`), else nothing.
+
+    Horovod traces its allreduce function once per gradient structure and runs it once per
+    step; each ``compress`` sits in its own ``tf.cond`` branch, so the key is the outermost traced
+    graph, and its first call site marks the start of a step. Eager calls (no graph)
+    have no boundary: such loops call ``horovod_aq.tensorflow.refit`` themselves.
+    """
+    if tf.executing_eagerly():
+        return []
+    graph = tf.compat.v1.get_default_graph()
+    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
+        graph = graph.outer_graph    # Horovod wraps every allreduce in a tf.cond branch graph
+    seen = _boundaries.setdefault(graph, set())
+    if id(compressor) in seen:
+        return []
+    seen.add(id(compressor))
+    return [begin_step_in_graph(compressor)]
+
+
+def quantize_local(compressor: Compressor, flat: tf.Tensor,
+                   record: tf.Tensor | None = None) -> tf.Tensor:
     """Quantize→dequantize a flat float32 tensor with the table variables and this rank's stream;
-    records refit statistics in-graph when the compressor is recording."""
+    records refit statistics of ``record`` (default ``flat``) in-graph when the compressor is
+    recording."""
     state = tf_state(compressor)
     n = int(flat.shape.num_elements())
     header = state.header(n)
@@ -59,9 +101,63 @@ def quantize_local(compressor: Compressor, flat: tf.Tensor) -> tf.Tensor:
                               bucket_size=compressor.bucket_size, check=False)
     slot = state.new_slot(n, f"stock{next(_call_sites)}")
     if slot is not None:
-        with tf.control_dependencies([slot.record(flat)]):
+        with tf.control_dependencies([slot.record(flat if record is None else record)]):
             out = tf.identity(out)
     return out
+
+
+def quantize_dynamic(compressor: Compressor, flat: tf.Tensor, record: tf.Tensor) -> tf.Tensor:
+    """:func:`quantize_local` for a flat tensor whose size is known only at run time: the numpy
+    codec inside a ``tf.numpy_function``, with the compressor's current table, uniforms from this
+    rank's stream, and the statistics of ``record`` (when finite, on recording steps) handed to
+    the compressor directly."""
+    state = tf_state(compressor)
+    uniforms = state.generator.uniform(tf.shape(flat), dtype=tf.float32)
+    q = compressor.quantizer
+    bucket_size = compressor.bucket_size
+
+    def run(x: np.ndarray, u: np.ndarray, raw: np.ndarray) -> np.ndarray:
+        if x.size == 0:
+            return x.astype(np.float32)
+        table = compressor.table
+        payload = codec.encode(x, table, bucket_size=bucket_size, norm=compressor.norm,
+                               uniforms=u)
+        out = codec.decode(payload, table)
+        if q.adaptive and q.recording and q.step_open and np.isfinite(raw).all():
+            from horovod_aq.levels.stats import bucket_moments, normalized_histogram
+
+            norms, means, stds = bucket_moments(raw, bucket_size)
+            if q.wants_histogram:
+                q.record_stats(norms, means, stds,
+                               histogram=normalized_histogram(raw, bucket_size))
+            elif norms.size:
+                q.record_stats(norms, means, stds)
+        return out.astype(np.float32)
+
+    out = tf.numpy_function(run, [flat, uniforms, record], tf.float32, stateful=True,
+                            name="aq_stock_quantize_dynamic")
+    return tf.reshape(out, tf.shape(flat))
+
+
+class _Context:
+    """``compress``'s context for ``decompress``: the gradient's dtype and, with
+    nonfinite="raise", what to say when the sum is not finite."""
+
+    __slots__ = ("dtype", "message")
+
+    def __init__(self, dtype: tf.DType, message: str | None) -> None:
+        self.dtype = dtype
+        self.message = message
+
+
+def _nonfinite_sum_message(compressor: Compressor, shape: Any) -> str:
+    # no quotes: a graph assertion prints its strings C-escaped
+    return (f"{compressor.name}: the allreduced gradient of shape {tuple(shape)} is not finite: "
+            "some rank's gradient had NaN/Inf values (every rank stops here; Horovod's "
+            "compression= hook cannot say which rank or parameter, the packed "
+            f"{stock.PACKED_API['tensorflow']} names them). Set the compressor's nonfinite "
+            "option to skip to let non-finite values through to the optimizer, as "
+            "hvd.Compression.fp16 does (e.g. for loss scaling or local gradient aggregation).")
 
 
 def compress(compressor: Compressor, tensor: Any) -> tuple[Any, Any]:
@@ -73,34 +169,42 @@ def compress(compressor: Compressor, tensor: Any) -> tuple[Any, Any]:
         return tensor, None
     if route == "fp16":
         return tf.cast(tensor, tf.float16), tensor.dtype
-    if tensor.shape.num_elements() is None:
-        raise ValueError(f"{compressor.name}: the stock compression= path needs gradients with "
-                         f"static shapes, got {tensor.shape}")
-    flat = tf.cast(tf.reshape(tensor, [-1]), tf.float32)
-    n = int(flat.shape.num_elements())
-    finite = tf.reduce_all(tf.math.is_finite(flat))
+    static = tensor.shape.is_fully_defined()
+    if tensor.shape.rank is None and not tf.executing_eagerly():
+        raise ValueError(f"{compressor.name}: the stock compression= path needs gradients of a "
+                         f"known rank, got {tensor.shape}")
+    with tf.control_dependencies(step_boundary(compressor)):
+        flat = tf.cast(tf.reshape(tensor, [-1]), tf.float32)
+    finite = tf.math.is_finite(flat)
+    clean = tf.where(finite, flat, tf.zeros_like(flat))   # what the quantizer may see
 
     def quantized() -> tf.Tensor:
-        q = quantize_local(compressor, flat)
-        if n:
-            peak = tf.reduce_max(tf.abs(q))
-            world = horovod_world("horovod.tensorflow")[1]
-            guard = tf.debugging.Assert(
-                peak * tf.cast(world, tf.float32) <= FP16_MAX,
-                [stock.fp16_range_message(compressor, "tensorflow") + ". Peak value:", peak])
-            with tf.control_dependencies([guard]):
-                q = tf.identity(q)
-        return q
+        if static:
+            q = quantize_local(compressor, clean, record=flat)
+        else:
+            q = quantize_dynamic(compressor, clean, flat)
+        peak = tf.reduce_max(tf.concat([tf.abs(q), tf.zeros([1], q.dtype)], axis=0))
+        world = horovod_world("horovod.tensorflow")[1]
+        guard = tf.debugging.Assert(
+            peak * tf.cast(world, tf.float32) <= FP16_MAX,
+            [stock.fp16_range_message(compressor, "tensorflow") + ". Peak value:", peak])
+        with tf.control_dependencies([guard]):
+            return tf.identity(q)
 
-    if compressor.nonfinite == "skip":  # every rank's sum becomes NaN: all skip alike
-        q = tf.cond(finite, quantized, lambda: tf.fill([n], float("nan")))
-    else:
-        check = tf.debugging.Assert(
-            finite, [stock.nonfinite_message(compressor, tensor.shape, "tensorflow")])
-        with tf.control_dependencies([check]):
-            q = quantized()
-    return tf.reshape(tf.cast(q, tf.float16), tf.shape(tensor)), tensor.dtype
+    # NaN/±Inf go through as they are (hvd.Compression.fp16 does the same), the rest quantized
+    q = tf.where(finite, quantized(), flat)
+    message = None if compressor.nonfinite == "skip" else \
+        _nonfinite_sum_message(compressor, tensor.shape)
+    return tf.reshape(tf.cast(q, tf.float16), tf.shape(tensor)), _Context(tensor.dtype, message)
 
 
 def decompress(compressor: Compressor, tensor: Any, ctx: Any) -> Any:
-    return tensor if ctx is None else tf.cast(tensor, ctx)
+    if ctx is None:
+        return tensor
+    if not isinstance(ctx, _Context):
+        return tf.cast(tensor, ctx)
+    if ctx.message is not None:
+        check = tf.debugging.Assert(tf.reduce_all(tf.math.is_finite(tensor)), [ctx.message])
+        with tf.control_dependencies([check]):
+            tensor = tf.identity(tensor)
+    return tf.cast(tensor, ctx.dtype)

@@ -3,7 +3,8 @@
     horovod-aq doctor            versions, frameworks, controllers, MPI; 2-rank self-tests
     horovod-aq levels --method alq --bits 3 --bucket-size 8192 [--dump grad.npy] [--plot f.png]
     horovod-aq bench [--quick]   kernel throughput and level-refit benchmarks
-    horovod-aq demo              train the PyTorch MNIST example on 2 local ranks, ALQ 3-bit
+    horovod-aq demo              train the PyTorch MNIST example on 2 local ranks twice, fp32
+                                 and ALQ 3-bit from the same seed, and compare them
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_EPOCHS = 5
 DEMO_OUT = "demo_output"
+#: The demo's reference run: the same example with NoCompression (fp32 gradients).
+DEMO_BASELINE = "none"
 
 
 # ---------------------------------------------------------------------- doctor
@@ -239,23 +242,82 @@ def _horovodrun() -> str:
     return find()
 
 
-def demo(args: argparse.Namespace) -> int:
-    out = os.path.abspath(args.out)
+def _demo_label(compression: str, bits: int) -> str:
+    if compression == DEMO_BASELINE:
+        return "fp32"
+    return "fp16" if compression == "fp16" else f"{compression.upper()} {bits}-bit"
+
+
+def _demo_run(args: argparse.Namespace, compression: str, out: str) -> dict | int:
+    """One run of the example under horovodrun into ``out``; what it recorded, or its exit code.
+
+    The bytes are rank 0's telemetry (``telemetry.jsonl``: what the packed optimizer put on the
+    wire each step), summed over the run."""
+    for stale in ("metrics.json", "telemetry.jsonl"):
+        if os.path.exists(os.path.join(out, stale)):
+            os.remove(os.path.join(out, stale))
     cmd = [_horovodrun(), "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo",
            sys.executable, _repo_path("examples", "pytorch_mnist.py"),
-           "--compression", args.compression, "--bits", str(args.bits),
-           "--epochs", str(args.epochs), "--out", out]
+           "--compression", compression, "--bits", str(args.bits), "--seed", str(args.seed),
+           "--epochs", str(args.epochs), "--out", out] + (
+               ["--no-progress"] if args.no_progress else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
     print("$ " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, env=env)
     if proc.returncode:
         return proc.returncode
     with open(os.path.join(out, "metrics.json")) as f:
-        summary = json.load(f)["summary"]
-    print(f"\ndemo done: {100 * summary['test_acc']:.1f}% test accuracy with "
-          f"{summary['bits_per_coordinate']:.2f} bits per coordinate, "
-          f"{summary['compression_ratio']:.1f}x fewer gradient bytes than fp32 allreduce; "
-          f"plots in {out}/")
+        metrics = json.load(f)
+    with open(os.path.join(out, "telemetry.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return {"label": _demo_label(compression, args.bits), "out": out,
+            "summary": metrics["summary"], "epochs": metrics["epochs"],
+            "steps": len(records), "bytes_sent": sum(r["bytes_sent"] for r in records)}
+
+
+def demo(args: argparse.Namespace) -> int:
+    """fp32 (NoCompression) and ``--compression`` from the same seed, one figure, one line."""
+    if args.compression == DEMO_BASELINE:
+        print(f"demo: --compression {DEMO_BASELINE} is the baseline itself; pick a quantizer",
+              file=sys.stderr)
+        return 2
+    out = os.path.abspath(args.out)
+    runs = []
+    for compression in (DEMO_BASELINE, args.compression):
+        name = "fp32" if compression == DEMO_BASELINE else f"{compression}{args.bits}"
+        run = _demo_run(args, compression, os.path.join(out, name))
+        if isinstance(run, int):
+            return run
+        runs.append(run)
+    base, comp = runs
+    problems = [f"{key}: {base['summary'].get(key)} vs {comp['summary'].get(key)}"
+                for key in ("init_fingerprint", "order_fingerprint", "steps")
+                if base["summary"].get(key) != comp["summary"].get(key)]
+    if base["steps"] != comp["steps"] or not comp["bytes_sent"]:
+        problems.append(f"telemetry: {base['steps']} vs {comp['steps']} steps recorded, "
+                        f"{base['bytes_sent']} vs {comp['bytes_sent']} bytes")
+    if problems:
+        print("demo: the two runs did not start alike or did not record the same steps: "
+              + "; ".join(problems), file=sys.stderr)
+        return 1
+    figure = os.path.join(out, "curves.png")
+    try:
+        from horovod_aq.tools import plots
+
+        plots.plot_steps({r["label"]: r["epochs"] for r in runs}, figure,
+                         title=f"MNIST subset, {args.np} ranks, seed {args.seed}: "
+                               f"{base['label']} vs {comp['label']}")
+    except ImportError as exc:
+        figure = f"none ({exc})"
+    ratio = base["bytes_sent"] / comp["bytes_sent"]
+    mib = 2.0 ** 20
+    print(f"\ndemo done: test accuracy {base['label']} {100 * base['summary']['test_acc']:.1f}%, "
+          f"{comp['label']} {100 * comp['summary']['test_acc']:.1f}% (seed {args.seed}, same "
+          f"initial weights and sample order); {comp['label']} sent {ratio:.1f}x fewer "
+          f"gradient bytes than {base['label']} ({comp['bytes_sent'] / mib:.2f} vs "
+          f"{base['bytes_sent'] / mib:.2f} MiB over {comp['steps']} steps, rank 0 telemetry; "
+          f"{comp['summary']['bits_per_coordinate']:.2f} bits per coordinate); "
+          f"figure {figure}, runs in {out}/", flush=True)
     return 0
 
 
@@ -280,12 +342,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     b = sub.add_parser("bench", help="kernel and refit benchmarks")
     b.add_argument("--quick", action="store_true")
     b.set_defaults(fn=bench)
-    dm = sub.add_parser("demo", help="train the PyTorch example on 2 local ranks")
+    dm = sub.add_parser("demo", help="train the PyTorch example on 2 local ranks, fp32 and "
+                        "ALQ 3-bit from the same seed, and compare")
     dm.add_argument("--np", type=int, default=2)
-    dm.add_argument("--compression", default="alq")
+    dm.add_argument("--compression", default="alq", help="the run compared with fp32")
     dm.add_argument("--bits", type=int, default=3)
     dm.add_argument("--epochs", type=int, default=DEMO_EPOCHS)
-    dm.add_argument("--out", default=DEMO_OUT)
+    dm.add_argument("--seed", type=int, default=0, help="the same for both runs")
+    dm.add_argument("--out", default=DEMO_OUT,
+                    help="runs go to OUT/fp32 and OUT/<compression><bits>, the figure to "
+                         "OUT/curves.png")
+    dm.add_argument("--no-progress", action="store_true", help="no progress bars")
     dm.set_defaults(fn=demo)
     args = p.parse_args(argv)
     return int(args.fn(args) or 0)

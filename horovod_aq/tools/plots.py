@@ -4,6 +4,8 @@ normalized variance over training.
 * :func:`plot_levels` — like Figure 6 of the ALQ paper: the density of bucket-normalized
   gradient coordinates r = v_i/‖v_b‖ with the level table drawn as vertical lines.
 * :func:`plot_curves` — loss and accuracy per epoch for one or more runs.
+* :func:`plot_steps` — loss and test accuracy against the training step for runs compared
+  side by side (``horovod-aq demo``: fp32 and ALQ from the same seed).
 * :func:`plot_variance` — normalized quantization variance over training per method (Figure 4).
 """
 
@@ -93,6 +95,55 @@ def plot_curves(runs: Mapping[str, Sequence[Mapping[str, float]]], path: str, *,
     ax_acc.set_xlabel("epoch")
     ax_acc.set_ylabel("test accuracy (%)")
     ax_acc.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over up to ``window`` values (shorter at the start), same length."""
+    c = np.cumsum(np.insert(values, 0, 0.0))
+    idx = np.arange(1, values.size + 1)
+    lo = np.maximum(idx - window, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def plot_steps(runs: Mapping[str, Sequence[Mapping[str, object]]], path: str, *,
+               title: str = "Training", smooth: int = 20) -> str:
+    """Left: training loss per step (thin) and its ``smooth``-step moving average (thick), test
+    loss at the end of each epoch (markers); right: test accuracy at the end of each epoch.
+    ``runs`` maps a label to its epochs as the examples record them: ``step`` (the global step
+    at the epoch's end), ``step_loss`` (that epoch's per-step losses), ``test_loss``,
+    ``test_acc``. Epochs without ``step_loss`` are drawn from ``train_loss`` at ``step``."""
+    plt = _pyplot()
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (label, hist) in enumerate(runs.items()):
+        color = colors[k % len(colors)]
+        ends = [int(h["step"]) for h in hist]
+        per_step = [float(v) for h in hist for v in h.get("step_loss", ())]
+        if per_step and len(per_step) == ends[-1]:
+            loss = np.asarray(per_step)
+            steps = np.arange(1, loss.size + 1)
+            ax_loss.plot(steps, loss, color=color, lw=0.6, alpha=0.35)
+            ax_loss.plot(steps, _moving_average(loss, smooth), color=color, lw=1.8,
+                         label=f"{label} train ({smooth}-step mean)")
+        else:
+            ax_loss.plot(ends, [h["train_loss"] for h in hist], color=color, marker="o",
+                         label=f"{label} train")
+        ax_loss.plot(ends, [h["test_loss"] for h in hist], color=color, marker="s", ls="--",
+                     label=f"{label} test")
+        ax_acc.plot(ends, [100 * float(h["test_acc"]) for h in hist], color=color, marker="o",
+                    label=label)
+    ax_loss.set_xlabel("training step")
+    ax_loss.set_ylabel("cross-entropy loss")
+    ax_loss.set_yscale("log")
+    ax_loss.legend(fontsize="small")
+    ax_acc.set_xlabel("training step")
+    ax_acc.set_ylabel("test accuracy (%)")
+    ax_acc.legend(fontsize="small")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

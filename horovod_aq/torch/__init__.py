@@ -2,8 +2,9 @@
 
 ``horovod_aq.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
 compression=horovod_aq.ALQ(bits=3))`` sends bit-packed codes; with Horovod's own
-``hvd.DistributedOptimizer(..., compression=horovod_aq.ALQ(bits=3))`` call
-:func:`refit` once per step after ``optimizer.step()`` to keep adaptive levels fitted.
+``hvd.DistributedOptimizer(..., compression=horovod_aq.ALQ(bits=3))`` the gradients are
+quantized and sent as fp16. Either way adaptive levels are refitted on schedule with no extra
+call (docs/protocol.md §14); :func:`refit` is for loops without a Horovod optimizer.
 
 ``horovod_aq.torch.kernels`` needs only PyTorch; the integration needs Horovod, imported here
 so that, under an MPI launcher, mpi4py can initialize MPI before Horovod (see
@@ -22,7 +23,10 @@ _LAZY = {
     "refit": "horovod_aq.torch.stock",
     "HorovodComm": "horovod_aq.torch.comm",
     "comm_for": "horovod_aq.torch.comm",
+    "QuantizedHookState": "horovod_aq.torch.ddp",
+    "quantized_hook": "horovod_aq.torch.ddp",
 }
 __getattr__ = lazy_attributes(__name__, _LAZY, "horovod.torch", horovod_present=_hvd is not None,
-                              without_horovod=frozenset({"ConfigMismatchError"}))
+                              without_horovod=frozenset({"ConfigMismatchError", "QuantizedHookState",
+                                                         "quantized_hook"}))
 __all__ = sorted(_LAZY)

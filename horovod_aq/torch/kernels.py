@@ -22,9 +22,13 @@ Bit-exactness rules followed here (each one matters on some backend):
 Host synchronisation: ``encode`` makes one host sync, ``bool(torch.isfinite(norms).all())`` on
 the ⌈n/B⌉ bucket norms (a non-finite input makes its bucket's norm non-finite, so this checks the
 whole gradient without a pass over it); explicit ``uniforms`` add a range check. ``decode`` and
-``decode_average`` copy the 32-byte headers to the host once to validate them. Nothing else
-leaves the device. A corrupted code ≥ N (only possible for tables with N < 2^b levels) decodes to
-NaN instead of raising, to avoid a sync; the numpy oracle raises.
+``decode_average`` copy the 32-byte headers to the host once to validate them, and sync once at
+the end on one flag (every norm finite and ≥ 0, every code < N — the codes are checked only for
+tables with N < 2^b levels, the only ones where a code can be invalid); on a bad payload they
+rerun the numpy oracle on a host copy, so they raise its ``PayloadError`` and message. Nothing
+else leaves the device, except with ``checksum``: a checksummed payload (``FLAG_CHECKSUM``) is
+CRC-32'd on the host (zero-copy for CPU tensors, a device-to-host copy otherwise), at encode and
+at decode.
 
 Performance (CPU): no Python loops over buckets or coordinates. The only Python loops are over the
 ⌈log₂ B⌉ halving steps of the norm, the ranks in ``decode_average`` and, to stay in cache, over
@@ -497,6 +501,7 @@ def encode(
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
     key: StreamKey | None = None,
+    checksum: bool = False,
 ) -> torch.Tensor:
     """Quantize and pack x into a uint8 payload on x's device (``codec.encode``).
 
@@ -508,18 +513,23 @@ def encode(
         uniforms: n float32 values in [0, 1) (tensor or array); overrides ``key``/``generator``.
         key: the format's random stream (``codec.StreamKey``): the same bytes as
             ``codec.encode(..., key=key)``; overrides ``generator``.
+        checksum: write ``FLAG_CHECKSUM`` and the payload's CRC-32 (``codec.encode``'s
+            ``checksum``; computed on the host).
     """
+    checksum = codec.check_bool("checksum", checksum)
     if key is not None and uniforms is None and isinstance(x, torch.Tensor):
         impl = implementation_for(x.device)
         if impl == "fused":
             from horovod_aq.codec import fused
 
             return torch.from_numpy(fused.encode(_fused_input(x), levels,
-                                                 bucket_size=bucket_size, norm=norm, key=key))
+                                                 bucket_size=bucket_size, norm=norm, key=key,
+                                                 checksum=checksum))
         if impl == "triton":
             from horovod_aq.torch import triton_kernels
 
-            return triton_kernels.encode(x, levels, bucket_size=bucket_size, norm=norm, key=key)
+            return triton_kernels.encode(x, levels, bucket_size=bucket_size, norm=norm, key=key,
+                                         checksum=checksum)
     table, bucket_size, norm, flat, norms, u = _prepare(x, levels, bucket_size, norm, uniforms)
     n, bits = flat.numel(), table.bits
     nb = norms.numel()
@@ -537,6 +547,19 @@ def encode(
         stream[lo:hi] = packed[: hi - lo]
 
     _quantize_chunks(flat, norms, u, generator, table, bucket_size, emit, key)
+    return seal_checksum(payload) if checksum else payload
+
+
+def seal_checksum(payload: torch.Tensor) -> torch.Tensor:
+    """``codec.seal_checksum`` of a contiguous 1-D uint8 payload tensor, in place: the CRC-32 is
+    computed on the host (zero-copy on CPU; otherwise one copy of the payload to the host and
+    the 32 header bytes back). Returns ``payload``."""
+    if payload.device.type == "cpu":
+        codec.seal_checksum(payload.numpy())
+        return payload
+    host = payload.cpu().numpy()
+    codec.seal_checksum(host)
+    payload[:HEADER_SIZE] = torch.from_numpy(host[:HEADER_SIZE]).to(payload.device)
     return payload
 
 
@@ -569,10 +592,10 @@ def quantize(
 # ------------------------------------------------------------------------------------- decode
 
 
-def _host_headers(rows: torch.Tensor) -> list[codec.Header]:
+def _host_headers(rows: torch.Tensor, name_rank: bool = True) -> list[codec.Header]:
     """Parse the headers of a [P, size] uint8 tensor (one 32·P-byte copy to the host)."""
     raw = rows[:, :HEADER_SIZE].cpu().numpy()
-    return [codec.parse_header(row) for row in raw]
+    return codec.parse_rows(raw, name_rank=name_rank)
 
 
 def _check_payload_tensor(payload: torch.Tensor, ndim: int) -> None:
@@ -586,14 +609,21 @@ def _check_payload_tensor(payload: torch.Tensor, ndim: int) -> None:
         )
 
 
-def _decode_checked(row: torch.Tensor, header: codec.Header, table: LevelTable) -> torch.Tensor:
-    """float32 values of one validated payload row (1-D uint8, exact size)."""
-    n, bits, bucket_size = header.numel, header.bits, header.bucket_size
+def _decode_checked(row: torch.Tensor, header: codec.Header, table: LevelTable,
+                    valid: list[torch.Tensor]) -> torch.Tensor:
+    """float32 values of one validated payload row (1-D uint8, exact size); appends to
+    ``valid`` 0-dim bool device tensors that are all True iff every norm is finite and ≥ 0 and
+    every code < N (checked only where N < 2^b)."""
+    n, bits = header.numel, header.bits
+    bucket_size = header.span  # min(B, n): the same buckets, chunks bounded by n (not by B)
     codes_at = header.codes_offset
     norm_bytes = row[HEADER_SIZE:codes_at]
     if norm_bytes.storage_offset() % NORM_BYTES or not norm_bytes.is_contiguous():
         norm_bytes = norm_bytes.clone()  # e.g. a row of a gathered buffer with an odd size
     norms = norm_bytes.view(torch.float32)
+    if norms.numel():
+        valid.append((torch.isfinite(norms) & (norms >= 0)).all())
+    check_codes = table.num_levels < (1 << bits)
     lookup = _table(table, row.device).lookup
     out = torch.empty(n, dtype=torch.float32, device=row.device)
     stream = row[codes_at:]
@@ -604,10 +634,34 @@ def _decode_checked(row: torch.Tensor, header: codec.Header, table: LevelTable) 
         if hi - lo < full_bytes:
             chunk = torch.nn.functional.pad(chunk, (0, full_bytes - (hi - lo)))
         codes = _unpack(chunk, bits)[: stop - start]
+        if check_codes:
+            valid.append(codes.amax() < table.num_levels)
         values = lookup.index_select(0, codes)
         _per_bucket(torch.mul, values, norms[start // bucket_size : -(-stop // bucket_size)],
                     bucket_size, out=out[start:stop])
     return out
+
+
+def check_valid(valid: list[torch.Tensor], refuse: Callable[[], Any]) -> None:
+    """One host sync on the validity flags of a decode; if one is False, ``refuse()`` (which
+    reruns the numpy oracle on a host copy and raises its error). Shared with Triton."""
+    if not valid or bool(torch.stack(valid).all()):
+        return
+    refuse()
+    raise RuntimeError("horovod_aq.torch.kernels: the device check refused a payload that the "
+                       "numpy codec accepts (please report this bug)")
+
+
+def verify_checksums(rows: torch.Tensor, headers: list[codec.Header], *, single: bool) -> None:
+    """``codec.check_checksums`` of the rows whose header carries ``FLAG_CHECKSUM``, on the
+    host (zero-copy for CPU tensors). Shared with Triton."""
+    if not any(h.checksummed for h in headers):
+        return
+    host = rows.detach().cpu().numpy()
+    if single:
+        codec.check_checksum(host[0], headers[0])
+    else:
+        codec.check_checksums(host, headers)
 
 
 def decode(
@@ -626,26 +680,30 @@ def decode(
     table = codec.as_table(levels)
     _check_payload_tensor(payload, 1)
     _, header = checked_headers(payload[None], table, numel, bucket_size, norm, single=True)
-    return _decode_checked(payload, header, table).to(dtype)
+    valid: list[torch.Tensor] = []
+    out = _decode_checked(payload, header, table, valid)
+    check_valid(valid, lambda: codec.decode(payload.detach().cpu().numpy(), table))
+    return out.to(dtype)
 
 
 def checked_headers(rows: torch.Tensor, table: LevelTable, numel: int | None,
                     bucket_size: int | None, norm: str | None, *,
                     single: bool = False) -> tuple[list[codec.Header], codec.Header]:
     """Validate gathered payload rows [P, size] (``single``: the one row of a ``decode``, whose
-    tensor the caller checked) on the host with the numpy codec's checks and messages; returns
-    (every header, row 0's checked header). Shared by these ops and
-    ``horovod_aq.torch.triton_kernels``."""
+    tensor the caller checked) on the host with the numpy codec's checks and messages, and the
+    CRC-32 of checksummed rows (``verify_checksums``); returns (every header, row 0's checked
+    header). Shared by these ops and ``horovod_aq.torch.triton_kernels``."""
     if not single:
         _check_payload_tensor(rows, 2)
     world, size = rows.shape
     if world == 0:
         raise PayloadError("decode_average needs at least one payload row")
     if size < HEADER_SIZE:
-        codec.parse_header(rows[0].cpu().numpy())  # raises "truncated"
-    headers = _host_headers(rows)
+        codec.parse_rows(rows[:1].cpu().numpy(), name_rank=not single)  # raises "truncated"
+    headers = _host_headers(rows, name_rank=not single)
     first = codec.check_rows(headers, table, size, numel=numel, bucket_size=bucket_size,
                              norm=norm, name_rank=not single)
+    verify_checksums(rows, headers, single=single)
     return headers, first
 
 
@@ -660,8 +718,8 @@ def decode_average(
 ) -> torch.Tensor:
     """Decode the P rows of a gathered [P, size] buffer and average them (codec step 7).
 
-    Rows are added one at a time in rank order in float32 and the sum is divided by P (a
-    device tensor, so CUDA performs a true division): bitwise equal on every rank and to
+    Each row is divided by P (a device tensor, so CUDA performs a true division) and added in
+    rank order in float32 (dividing first, no overflow): bitwise equal on every rank and to
     ``codec.decode_average``. Only one decoded row is alive besides the accumulator.
     """
     impl = implementation_for(payloads.device) if isinstance(payloads, torch.Tensor) else "torch"
@@ -672,10 +730,13 @@ def decode_average(
     table = codec.as_table(levels)
     headers, first = checked_headers(payloads, table, numel, bucket_size, norm)
     world = len(headers)
-    acc = _decode_checked(payloads[0], first, table)
+    valid: list[torch.Tensor] = []
+    acc = _decode_checked(payloads[0], first, table, valid)
+    divisor = torch.full((), world, dtype=torch.float32, device=acc.device)
+    acc.div_(divisor)
     for rank in range(1, world):
-        acc.add_(_decode_checked(payloads[rank], headers[rank], table))
-    acc.div_(torch.full((), world, dtype=torch.float32, device=acc.device))
+        acc.add_(_decode_checked(payloads[rank], headers[rank], table, valid).div_(divisor))
+    check_valid(valid, lambda: codec.decode_average(payloads.detach().cpu().numpy(), table))
     return acc.to(dtype)
 
 

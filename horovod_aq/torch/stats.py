@@ -40,6 +40,11 @@ def bucket_moments(x: torch.Tensor, bucket_size: int) -> tuple[np.ndarray, np.nd
     norms = rows.square().sum(dim=1).sqrt()
     keep = norms > 0
     u = rows[keep] / norms[keep, None]
+    if u.shape[0] == 0:
+        # No full bucket with a non-zero norm (a tensor smaller than one bucket, or all zeros):
+        # no statistics, as in numpy. torch.std over the empty [0, B] selection would warn
+        # "std(): degrees of freedom is <= 0" on every recording step.
+        return tuple(np.empty(0, dtype=np.float64) for _ in range(3))  # type: ignore[return-value]
     stats = (norms[keep], u.mean(dim=1), u.std(dim=1, correction=1))
     return tuple(t.cpu().numpy() for t in stats)  # type: ignore[return-value]
 

@@ -13,7 +13,13 @@ are reduced in several passes that keep the canonical pairwise order), then quan
 adds the P rows in rank order. Divisions use ``tl.div_rn`` (IEEE), kernels are compiled with
 ``enable_fp_fusion=False`` (no FMA), float64 only in the l2 sums. Headers are made and checked on
 the host with the helpers of ``horovod_aq.torch.kernels``; ``encode`` makes one host sync (the
-finiteness of the bucket norms), the decoders copy the 32-byte headers to the host once.
+finiteness of the bucket norms), the decoders copy the 32-byte headers to the host once and sync
+once at the end on one flag: every norm finite and ≥ 0, and — for tables with N < 2^b levels,
+where a corrupt code decodes to NaN through the padded lookup — no NaN in the result (one more
+read of the result; with valid norms and levels a NaN arises only so). A bad payload is then
+decoded by the numpy oracle on a host copy, which raises its ``PayloadError``. Checksummed
+payloads (``FLAG_CHECKSUM``) are CRC-32'd on the host (``horovod_aq.torch.kernels``:
+``seal_checksum``, ``verify_checksums``).
 
 ``import triton`` happens at the first call (``available()`` says whether it can), and the
 kernels are jitted then, so ``TRITON_INTERPRET`` must be set before the first call.
@@ -262,8 +268,8 @@ def _decode_kernel(rows_ptr, row_stride, norms_ptr, norm_stride, lookup_ptr, out
                    bucket_size, log_bucket, nbytes, codes_at, world, world_f,
                    BITS: tl.constexpr, GROUPS: tl.constexpr, AVERAGE: tl.constexpr,
                    POW2_BUCKET: tl.constexpr, WIDE: tl.constexpr):
-    """acc = x̂⁽⁰⁾; acc += x̂⁽ᵖ⁾ for p = 1 … P−1 in float32; acc / P (AVERAGE), 8·GROUPS
-    coordinates per program (codec step 7)."""
+    """acc = x̂⁽⁰⁾/P; acc += x̂⁽ᵖ⁾/P for p = 1 … P−1 in float32 (divided before the sum, so no
+    overflow; no division unless AVERAGE), 8·GROUPS coordinates per program (codec step 7)."""
     pid = tl.program_id(0)
     if WIDE:
         pid = pid.to(tl.int64)
@@ -277,14 +283,16 @@ def _decode_kernel(rows_ptr, row_stride, norms_ptr, norm_stride, lookup_ptr, out
     src_mask = (t[None, :] < BITS) & (src < nbytes)
     row = rows_ptr + codes_at
     acc = _decoded_row(row, norms_ptr, lookup_ptr, src, src_mask, bucket, live, t, BITS)
+    if AVERAGE:
+        acc = tl.div_rn(acc, world_f)
     nrm_row = norms_ptr
     for _ in range(1, world):
         row += row_stride
         nrm_row += norm_stride
-        acc = acc + _decoded_row(row, nrm_row, lookup_ptr, src, src_mask, bucket, live, t,
-                                 BITS)
-    if AVERAGE:
-        acc = tl.div_rn(acc, world_f)
+        value = _decoded_row(row, nrm_row, lookup_ptr, src, src_mask, bucket, live, t, BITS)
+        if AVERAGE:
+            value = tl.div_rn(value, world_f)
+        acc = acc + value
     tl.store(out_ptr + i, acc, mask=live)
 
 
@@ -433,9 +441,10 @@ def encode(
     norm: str = "l2",
     key: StreamKey,
     out: torch.Tensor | None = None,
+    checksum: bool = False,
 ) -> torch.Tensor:
     """Quantize and pack x into a uint8 payload on x's device: ``codec.encode(x, levels,
-    bucket_size=, norm=, key=key)`` byte for byte.
+    bucket_size=, norm=, key=key, checksum=checksum)`` byte for byte.
 
     Args:
         x: gradient of any shape; float16/bfloat16/float32 (float64 is cast first), finite.
@@ -444,10 +453,12 @@ def encode(
         key: the random stream (``codec.stream.StreamKey``: seed, rank, step, bucket, part).
         out: optional contiguous uint8 tensor of ``payload_size`` bytes to write into; nothing
             is written to it when the input is rejected.
+        checksum: write ``FLAG_CHECKSUM`` and the CRC-32 (computed on the host).
 
     Raises ``ValueError`` with the messages of ``horovod_aq.torch.kernels.encode`` for
     non-finite input or an overflowing norm (found on the device, one host sync).
     """
+    checksum = codec.check_bool("checksum", checksum)
     table = codec.as_table(levels)
     bucket_size = codec.check_bucket_size(bucket_size)
     norm = codec.check_norm(norm)
@@ -466,7 +477,7 @@ def encode(
         payload = _output(out, codec.payload_size(n, bits, bucket_size), device)
         if n == 0:
             payload[:HEADER_SIZE] = _tk._header(n, table, bucket_size, norm, device)
-            return payload
+            return _tk.seal_checksum(payload) if checksum else payload
         bucket = min(bucket_size, n)  # the same buckets; keeps B in int32
         direct = out is None  # write norms into the payload only if it is ours
         norms = (payload[HEADER_SIZE:codes_at].view(torch.float32) if direct
@@ -484,14 +495,14 @@ def encode(
                 payload[codes_at:], n, bucket, _log2(bucket), tab.num_levels,
                 codec.packed_size(n, bits), k0, k1, c1, c2, c3, BITS=bits, GROUPS=groups,
                 POW2_BUCKET=pow2, WIDE=_wide(n))
-    return payload
+    return _tk.seal_checksum(payload) if checksum else payload
 
 
 def _decode_rows(rows: torch.Tensor, header: codec.Header, table: LevelTable,
                  average: bool) -> torch.Tensor:
     """float32 decode of row 0 (``average`` False) or the average of all rows of a validated
-    [P, size] uint8 tensor."""
-    n, bits, bucket_size = header.numel, header.bits, header.bucket_size
+    [P, size] uint8 tensor; refuses bad norms and codes like the oracle (one sync)."""
+    n, bits = header.numel, header.bits
     device = rows.device
     with _prepare_device(device):
         out = torch.empty(n, dtype=torch.float32, device=device)
@@ -505,13 +516,19 @@ def _decode_rows(rows: torch.Tensor, header: codec.Header, table: LevelTable,
         norms.copy_(rows[:world, HEADER_SIZE:codes_at])  # aligned float32 [P, ⌈n/B⌉]
         norms = norms.view(torch.float32)
         tab = _levels(table, device)
-        bucket = min(bucket_size, n)
+        bucket = header.span  # min(B, n): the same buckets; keeps B in int32
         groups = DECODE_GROUPS
         grid = (-(-n // (8 * groups)),)
         _launch(_kernels()["_decode_kernel"], grid, rows, rows.stride(0), norms, norms.stride(0),
                 tab.lookup, out, n, bucket, _log2(bucket), codec.packed_size(n, bits), codes_at,
                 world, float(world), BITS=bits, GROUPS=groups, AVERAGE=world > 1,
                 POW2_BUCKET=bucket & (bucket - 1) == 0, WIDE=_wide(n))
+        valid = [(torch.isfinite(norms) & (norms >= 0)).all()]
+        if tab.num_levels < (1 << bits):  # a code past the table is looked up as NaN
+            valid.append(~torch.isnan(out).any())
+    host = (lambda: codec.decode_average(rows.cpu().numpy(), table)) if average else (
+        lambda: codec.decode(rows[0].cpu().numpy(), table))
+    _tk.check_valid(valid, host)
     return out
 
 
@@ -542,7 +559,7 @@ def decode_average(
     norm: str | None = None,
 ) -> torch.Tensor:
     """Average of the decoded rows of a gathered [P, size] uint8 tensor (codec step 7):
-    rows added in rank order in float32, then divided by P; ``codec.decode_average`` bit for
+    rows divided by P, then added in rank order in float32; ``codec.decode_average`` bit for
     bit. Validation and errors of ``horovod_aq.torch.kernels.decode_average``."""
     table = codec.as_table(levels)
     _, first = _tk.checked_headers(payloads, table, numel, bucket_size, norm)

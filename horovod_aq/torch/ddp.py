@@ -1,0 +1,350 @@
+"""horovod_aq compressors as a PyTorch DDP communication hook.
+
+::
+
+    state = horovod_aq.torch.ddp.QuantizedHookState(
+        horovod_aq.ALQ(bits=3), named_parameters=model.named_parameters())
+    ddp_model.register_comm_hook(state, horovod_aq.torch.ddp.quantized_hook)
+    # or: state = horovod_aq.torch.ddp.register(ddp_model, horovod_aq.ALQ(bits=3))
+
+An explicit state object and a stateless hook, as PyTorch's PowerSGD hook. The hook encodes
+each ``GradBucket``'s flat buffer with the packed kernels and exchanges the payloads over
+``torch.distributed`` (:mod:`horovod_aq.torch.ddp_wire`: allgather, or the two-phase exchange,
+per bucket by the cost model of :mod:`horovod_aq.packed.cost`). It returns the average, bitwise
+identical on every rank. docs/ddp.md describes the use; the protocol is docs/protocol.md's:
+
+* **Steps.** DDP has no step hook. It calls the hook once per bucket, in index order, and
+  ``bucket.is_last()`` marks the last bucket of a backward pass. There the hook finishes every
+  bucket of the step (DDP waits for them right after), feeds the averages to the compressor in
+  bucket order (DQSGD's next width), and calls ``compressor.end_step(comm)`` with a
+  :class:`~horovod_aq.torch.dist_comm.DistComm`: refits run on schedule (statistics are recorded
+  while ``compressor.recording``; gather → fit on rank 0 → broadcast, §2), and the new table is
+  used from the next step.
+* **Handshake** (§3). Before the first exchange of every bucket layout (the first bucket, each
+  bucket DDP rebuilds after the first iteration, and again after :meth:`load_state_dict`) the
+  ranks allgather :func:`~horovod_aq.packed.protocol.handshake_vector` (settings, table version
+  and hash, step, bucket digest incl. its exchange mode, ranks); any difference raises the same
+  :class:`~horovod_aq.packed.protocol.ConfigMismatchError` on every rank. Afterwards every
+  payload header carries the table version and hash, and decoding refuses a mismatch.
+* **Non-finite gradients** (§4): markers instead of payloads; every rank raises
+  :class:`~horovod_aq.codec.NonFiniteGradientError` naming the rank and parameter, or with
+  ``nonfinite="skip"`` every rank gets NaN for the bucket (:attr:`QuantizedHookState.skipped`).
+* **Checkpoints** (§7): :meth:`QuantizedHookState.state_dict` holds the compressor's state
+  (tables, step, DQSGD rule, error memory — collective with ``ErrorFeedback``) and the bucket
+  layout. DDP restarts with one bucket of every parameter and rebuilds its buckets after the
+  first iteration; after :meth:`~QuantizedHookState.load_state_dict` the hook exchanges the saved
+  buckets inside DDP's initial one, so a resumed run is bit-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from horovod_aq.compressors import NoCompression
+from horovod_aq.error_feedback import collective_state_dict, select_memory
+from horovod_aq.packed.cost import NetworkModel
+from horovod_aq.packed.plan import BucketPlan, layout_digest, op_name, plan_buckets
+from horovod_aq.packed.protocol import (
+    ConfigMismatchError,
+    ExchangeSettings,
+    check_compression,
+    check_handshake,
+    handshake_vector,
+    plan_traffic,
+    step_record,
+)
+from horovod_aq.telemetry import Telemetry
+from horovod_aq.torch.ddp_wire import ALLREDUCE, Unit, Wire
+from horovod_aq.torch.dist_comm import DistComm, allgather_rows, group_or_world
+
+logger = logging.getLogger(__name__)
+
+#: Version of the dict :meth:`QuantizedHookState.state_dict` returns.
+STATE_FORMAT = 1
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """A DDP bucket of the current step: its buffer, its units and the future DDP waits on."""
+
+    buffer: torch.Tensor
+    units: list[Unit]
+    future: torch.futures.Future
+
+
+class QuantizedHookState:
+    """The state of :func:`quantized_hook`: compressor, process group, layout, step.
+
+    Args:
+        compression: any horovod_aq compression (``ALQ(bits=3)``, ``QSGD``, ``DQSGD``,
+            ``ErrorFeedback(...)``, ``FP16()``, ``NoCompression()``).
+        process_group: the DDP model's process group (None: the default group).
+        named_parameters: the model's ``named_parameters()`` (of the module DDP wraps). Names
+            make bucket names, error messages and checkpoints independent of DDP's bucketing;
+            without them a resumed run's first step is not bit-identical.
+        exchange: "auto" (the cost model), "allgather" or "two_phase".
+        network: the cost model's parameters.
+        telemetry: where step records go (default: an in-memory :class:`Telemetry`).
+        name: prefix of bucket names and error-memory keys (default ``<compressor>.ddp``).
+    """
+
+    def __init__(self, compression: Any = None, process_group: Any = None, *,
+                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                 exchange: str = "auto", network: NetworkModel | None = None,
+                 telemetry: Telemetry | None = None, name: str | None = None) -> None:
+        compression = NoCompression() if compression is None else compression
+        check_compression(compression, "torch.distributed.algorithms.ddp_comm_hooks")
+        if not dist.is_initialized():
+            raise RuntimeError("call torch.distributed.init_process_group() before creating "
+                               "the hook state")
+        self.compression = compression
+        self.process_group = group_or_world(process_group)
+        self.settings = ExchangeSettings(exchange, network=network)
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
+        self.prefix = op_name(name or f"{compression.name}.ddp")
+        self.wire = Wire(compression, self.process_group)
+        self.ranks = self.wire.ranks
+        self._names: dict[torch.Tensor, str] = (
+            {p: n for n, p in named_parameters} if named_parameters is not None else {})
+        self._plans: dict[tuple, BucketPlan] = {}
+        self._checked: set[tuple] = set()
+        self._target: dict[str, tuple[int, tuple[str, ...]]] | None = None
+        self._warned_layout = False
+        self._buckets: list[_Bucket] = []
+        self._pending: list[Unit] = []
+        self._started: tuple[int, int] | None = None
+        #: (index, name, numel, parameter names) of every unit of the last completed step.
+        self.layout: list[tuple[int, str, int, tuple[str, ...]]] = []
+        #: Whether the last step had non-finite gradients on some rank (nonfinite="skip").
+        self.skipped = False
+
+    # ------------------------------------------------------------------ the hook
+    def exchange(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """What :func:`quantized_hook` does for one bucket (see the module docstring)."""
+        index, buffer = bucket.index(), bucket.buffer()
+        if index == 0:
+            self._begin_step()
+        for unit in self._pending:   # two-phase stage 2 of earlier buckets, in bucket order
+            self.wire.advance(unit)
+        self._pending = [u for u in self._pending if u.stage == "a2a"]
+        units = self._units_for(index, list(bucket.parameters()), buffer)
+        for unit in units:
+            self._handshake(unit)
+            self.wire.submit(unit, unit.gather(buffer))
+            if unit.stage == "a2a":
+                self._pending.append(unit)
+        devices = [buffer.device] if buffer.device.type == "cuda" else None
+        future = torch.futures.Future(devices=devices)
+        self._buckets.append(_Bucket(buffer, units, future))
+        if bucket.is_last():
+            self._end_step()
+        return future
+
+    def _begin_step(self) -> None:
+        if self._buckets or self._pending:
+            logger.warning("%s: a backward pass started before the previous one finished its "
+                           "last bucket; dropping that step's exchanges", self.prefix)
+        self._buckets, self._pending = [], []
+        self._started = (self.compression.quantizer.step, self.compression.code_bits)
+        self.skipped = False
+
+    def _end_step(self) -> None:
+        """The last bucket: finish every unit, hand the averages over, end the step."""
+        wire, q = self.wire, self.compression.quantizer
+        buckets, self._buckets, self._pending = self._buckets, [], []
+        results: list[tuple[_Bucket, Unit, torch.Tensor]] = []
+        error: BaseException | None = None
+        for b in buckets:
+            for unit in b.units:
+                try:
+                    results.append((b, unit, wire.finish(unit)))
+                except BaseException as exc:  # noqa: BLE001 - the first, after all finished
+                    error = error or exc
+        if error is not None:
+            self._started = None
+            raise error
+        for b, unit, result in results:
+            unit.scatter(b.buffer, result)
+            if unit.skipped:
+                self.skipped = True
+            else:
+                q.observe_aggregate(result)
+        for b in buckets:
+            b.future.set_result(b.buffer)
+        units = [u for b in buckets for u in b.units]
+        if q.quantizes:
+            refitted = q.end_step(DistComm(self.process_group))
+        else:
+            q.step += 1
+            refitted = False
+        self.layout = [(u.index, u.name, u.numel, u.names) for u in units]
+        self._forget_memory({u.name for u in units})
+        if self._target is not None and all(u.segments is None for u in units):
+            self._target = None    # DDP's buckets are the saved ones again
+        self._record(units, refitted)
+
+    def _record(self, units: list[Unit], refitted: bool) -> None:
+        started, self._started = self._started, None
+        if started is None:
+            return
+        step, bits = started
+        comp = self.compression
+        traffic = plan_traffic([u.plan for u in units if u.mode != ALLREDUCE],
+                               [u.numel for u in units if u.mode == ALLREDUCE],
+                               fp16=comp.fp16_wire, bits=bits, bucket_size=comp.bucket_size,
+                               ranks=self.ranks)
+        self.telemetry.record(step_record(comp, step=step, ranks=self.ranks, bits=bits,
+                                          traffic=traffic, refitted=refitted,
+                                          skipped=int(self.skipped)))
+
+    def _forget_memory(self, names: set[str]) -> None:
+        """Drop error memory of buckets DDP no longer has (its first-iteration bucket)."""
+        memory = self.compression.error_memory
+        if memory is None:
+            return
+        for key in [k for k in memory.memory if k not in names]:
+            del memory.memory[key]
+
+    # ------------------------------------------------------------------ layout
+    def _name(self, p: torch.Tensor, index: int, position: int) -> str:
+        name = self._names.get(p)
+        return name if name is not None else f"b{index}.{position}{list(p.shape)}"
+
+    def _units_for(self, index: int, params: list[torch.Tensor],
+                   buffer: torch.Tensor) -> list[Unit]:
+        names = tuple(self._name(p, index, i) for i, p in enumerate(params))
+        numels = tuple(p.numel() for p in params)
+        device = str(buffer.device)
+        cover = self._cover(names) if self._target is not None else None
+        if cover is None or cover == [(index, names)]:
+            return [Unit(self._plan(index, names, numels, device), names, numels)]
+        where, at = {}, 0
+        for name, n in zip(names, numels):
+            where[name] = (at, n)
+            at += n
+        units = []
+        for t_index, t_names in cover:
+            segments = tuple(where[n] for n in t_names)
+            t_numels = tuple(n for _, n in segments)
+            units.append(Unit(self._plan(t_index, t_names, t_numels, device), t_names,
+                              t_numels, segments))
+        return units
+
+    def _cover(self, names: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]] | None:
+        """The saved buckets that make up exactly this DDP bucket, in saved order (None: they
+        do not; this step then cannot match the saved run bit for bit)."""
+        target = self._target
+        chosen = {target[n] for n in names if n in target}
+        if all(n in target for n in names) and {n for _, ns in chosen for n in ns} == set(names):
+            return sorted(chosen)
+        if not self._warned_layout:
+            self._warned_layout = True
+            logger.warning("%s: DDP's buckets do not contain the buckets saved in the "
+                           "checkpoint; the resumed run uses DDP's buckets (correct, but not "
+                           "bit-identical to an uninterrupted run)", self.prefix)
+        return None
+
+    def _plan(self, index: int, names: tuple[str, ...], numels: tuple[int, ...],
+              device: str) -> BucketPlan:
+        """The bucket's name and wire (the cost model at the current code width), cached."""
+        key = (index, names)
+        if key in self._plans:
+            return self._plans[key]
+        comp, settings = self.compression, self.settings
+        total = sum(numels)
+        plans, _ = plan_buckets(
+            list(names), list(numels), [device] * len(names), prefix=f"{self.prefix}.b{index}",
+            cap_numel=max(1, total), small_threshold=0, quantizes=comp.quantizes,
+            exchange=settings.exchange, bits=comp.code_bits, bucket_size=comp.bucket_size,
+            ranks=self.ranks, network=settings.network)
+        if plans:
+            plan = dataclasses.replace(plans[0], index=index)
+        else:   # nothing quantized: one allreduce of the bucket
+            plan = BucketPlan(index, f"{self.prefix}.b{index}", tuple(range(len(names))), total,
+                              ALLREDUCE)
+        self._plans[key] = plan
+        return plan
+
+    def _handshake(self, unit: Unit) -> None:
+        """One allgather before a layout's first exchange; every rank raises the same error."""
+        key = (unit.index, unit.names)
+        if key in self._checked:
+            return
+        plan = unit.plan
+        layout = (layout_digest([plan], []) if plan.mode != ALLREDUCE
+                  else layout_digest([], [f"{plan.name}:{plan.numel}"]))
+        mine = handshake_vector(self.compression.fingerprint(), layout, self.ranks)
+        gathered = allgather_rows(mine.reshape(1, -1), self.process_group)
+        self._checked.add(key)
+        check_handshake(gathered, self.compression.describe_fingerprint)
+
+    @property
+    def buckets(self) -> list[tuple[str, int, str, list[str]]]:
+        """(name, numel, exchange mode, parameter names) of the last step's exchanges."""
+        modes = {key: plan.mode for key, plan in self._plans.items()}
+        return [(name, numel, modes.get((i, names), "?"), list(names))
+                for i, name, numel, names in self.layout]
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's state (tables, versions, step, DQSGD rule) and the bucket layout.
+
+        With :class:`~horovod_aq.ErrorFeedback` and more than one rank this is **collective**
+        (every rank's error memory is gathered): call it on every rank between steps and save
+        rank 0's copy.
+        """
+        buckets = [(name, numel) for _, name, numel, _ in self.layout]
+        compression = collective_state_dict(
+            self.compression, buckets, self.ranks,
+            lambda rows, _name: allgather_rows(rows, self.process_group))
+        return {"format": STATE_FORMAT, "compression": compression,
+                "layout": [[i, name, numel, list(names)] for i, name, numel, names in self.layout]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the same checkpoint on every rank). The handshake runs
+        again at the next exchange; error memory comes back only with the same number of
+        ranks."""
+        if int(state.get("format", 0)) != STATE_FORMAT:
+            raise ValueError(f"hook state format {state.get('format')!r}; this build reads "
+                             f"{STATE_FORMAT}")
+        rank = dist.get_rank(self.process_group)
+        self.compression.load_state_dict(
+            select_memory(self.compression, state["compression"], rank, self.ranks))
+        self.layout = [(int(i), str(name), int(numel), tuple(names))
+                       for i, name, numel, names in state["layout"]]
+        self._target = ({n: (i, names) for i, _, _, names in self.layout for n in names}
+                        if self.layout and self._names else None)
+        self._warned_layout = False
+        self._checked.clear()
+        self._buckets, self._pending, self._started = [], [], None
+
+
+def quantized_hook(state: QuantizedHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """The DDP communication hook: ``ddp_model.register_comm_hook(state, quantized_hook)``."""
+    return state.exchange(bucket)
+
+
+# DDP checks the hook's annotations against the objects themselves (not the strings that
+# ``from __future__ import annotations`` leaves).
+quantized_hook.__annotations__ = {"state": QuantizedHookState, "bucket": dist.GradBucket,
+                                  "return": torch.futures.Future[torch.Tensor]}
+
+
+def register(model: torch.nn.parallel.DistributedDataParallel, compression: Any,
+             **kwargs: Any) -> QuantizedHookState:
+    """Create the state for ``model`` (its process group and its module's parameter names) and
+    register :func:`quantized_hook`; ``kwargs`` go to :class:`QuantizedHookState`."""
+    kwargs.setdefault("named_parameters", model.module.named_parameters())
+    state = QuantizedHookState(compression, kwargs.pop("process_group", model.process_group),
+                               **kwargs)
+    model.register_comm_hook(state, quantized_hook)
+    return state
+
+
+__all__ = ["ConfigMismatchError", "QuantizedHookState", "quantized_hook", "register"]

@@ -1,0 +1,549 @@
+"""The DDP communication hook (horovod_aq.torch.ddp) on real torch.distributed ranks (Gloo).
+
+One launch per rank count runs every check in the same order in every rank
+(``torch.multiprocessing`` spawn, Gloo over 127.0.0.1, one thread per process); each pytest test
+asserts on one check's per-rank results. The numpy codec is the oracle: the averaged gradient DDP
+hands to the parameters must be exactly (bitwise) the numpy encode → decode-and-average of every
+rank's bucket with the format's random stream (docs/format.md §6). A last test launches
+``examples/ddp_mnist.py`` with ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+from horovod_aq import codec
+from horovod_aq.codec.stream import StreamKey
+from horovod_aq.levels import LevelTable
+from horovod_aq.packed.cost import chunk_numel
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES = (20, 128, 128, 128, 10)   # ≈ 37k parameters
+CAP_MB = 0.02                # DDP bucket cap: the rebuilt layout has three buckets
+BUCKET = 64                  # quantization bucket
+SEED = 7
+LAUNCH_TIMEOUT_S = 420
+RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1"}
+
+
+# ---------------------------------------------------------------- the launcher
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, checks: list, outdir: str) -> None:
+    """Inside a spawned rank: join the Gloo group, run every check, pickle the outcomes."""
+    os.environ.update(RANK_ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=90))
+    outcomes = {}
+    for name, kwargs in checks:
+        started = time.monotonic()
+        try:
+            outcomes[name] = ("ok", globals()[name.split("[")[0]](**kwargs))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            outcomes[name] = ("error", type(exc).__name__, str(exc), traceback.format_exc())
+        outcomes[name] += (time.monotonic() - started,)
+        with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(outcomes, f)
+    dist.destroy_process_group()
+
+
+def launch(checks: list, world: int) -> dict:
+    """Run ``checks`` ((function name, kwargs) pairs) on ``world`` spawned Gloo ranks; return
+    {check: [outcome of rank 0, …]} with a hard timeout for the whole launch."""
+    import torch.multiprocessing as mp
+
+    outdir = tempfile.mkdtemp(prefix="aq_ddp_")
+    saved = {k: os.environ.get(k) for k in RANK_ENV}
+    os.environ.update(RANK_ENV)
+    try:
+        ctx = mp.start_processes(_rank_main, args=(world, _free_port(), checks, outdir),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the {world}-rank launch ran past {LAUNCH_TIMEOUT_S} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = {}
+        for r in range(world):
+            with open(os.path.join(outdir, f"rank{r}.pkl"), "rb") as f:
+                outcome = pickle.load(f)
+            for name, value in outcome.items():
+                results.setdefault(name, []).append(value)
+        return results
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(outdir, ignore_errors=True)
+
+
+def _ok(results: dict, check: str) -> list:
+    outcomes = results[check]
+    failed = [o for o in outcomes if o[0] != "ok"]
+    assert not failed, "\n".join(o[3] for o in failed)
+    return [o[1] for o in outcomes]
+
+
+def _seconds(results: dict) -> dict:
+    """Seconds each check took on rank 0 (last field of every outcome)."""
+    return {name: round(outcomes[0][-1], 1) for name, outcomes in results.items()}
+
+
+# ---------------------------------------------------------------- helpers inside the ranks
+def _setup(method="alq", bits=3, exchange="auto", schedule="0,2,0", error_feedback=False,
+           lr=0.05, seed=0, **comp_kw):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import horovod_aq
+    from horovod_aq.torch import ddp as aqddp
+    from tests.ranks import tiny_model
+
+    model = tiny_model(torch, seed, SIZES)
+    net = DDP(model, bucket_cap_mb=CAP_MB)
+    if method == "dqsgd":
+        comp = horovod_aq.DQSGD(bucket_size=BUCKET, seed=SEED, schedule=schedule, **comp_kw)
+    else:
+        comp = horovod_aq.from_name(method, bits=bits, bucket_size=BUCKET, seed=SEED,
+                                    schedule=schedule, **comp_kw)
+    if error_feedback:
+        comp = horovod_aq.ErrorFeedback(comp)
+    state = aqddp.register(net, comp, exchange=exchange)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return model, net, comp, state, opt
+
+
+def _batch(rank, step, n=16):
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(n, SIZES[0], generator=gen)
+    return x, (x[:, :SIZES[-1]].sum(1) > 0).long() + 2 * (x[:, 0] > 0).long()
+
+
+def _train(net, opt, steps, first=0, after=None):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    losses = []
+    for step in range(first, first + steps):
+        x, y = _batch(dist.get_rank(), step)
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        if after is not None:
+            after(step)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _params(model):
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def _grads(model):
+    return {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def _record_submits(state, log):
+    """Wrap the hook's ``Wire.submit`` to log every unit's raw input with its table and step."""
+    wire, submit = state.wire, state.wire.submit
+    q = wire.q
+
+    def recorded(unit, raw):
+        log.append({"index": unit.index, "name": unit.name, "mode": unit.mode,
+                    "names": list(unit.names), "raw": raw.detach().numpy().copy(),
+                    "levels": q.table.levels.copy(), "version": q.table.version,
+                    "step": q.step, "bits": q.table.bits, "norm": q.norm})
+        submit(unit, raw)
+    wire.submit = recorded
+
+
+# ---------------------------------------------------------------- checks (inside the ranks)
+def oracle(exchange="auto", steps=4):
+    """ALQ 3-bit trains ``steps`` steps (refits after steps 0 and 2); every unit's input, the
+    applied gradients, table versions and bucket layouts are logged for the numpy oracle."""
+    import torch.distributed as dist
+
+    model, net, comp, state, opt = _setup(exchange=exchange)
+    log, grads, versions, layouts = [], [], [], []
+    _record_submits(state, log)
+
+    def after(step):
+        grads.append(_grads(model))
+        versions.append(comp.table.version)
+        layouts.append(state.buckets)
+    losses = _train(net, opt, steps, after=after)
+    return {"log": log, "grads": grads, "versions": versions, "layouts": layouts,
+            "losses": losses, "params": _params(model), "rank": dist.get_rank(),
+            "telemetry": [r.as_dict() for r in state.telemetry.history]}
+
+
+def unbiased(exchange="auto", steps=200):
+    """Average many exchanges of one fixed gradient; compare with the exact fp32 average."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from tests.ranks import tiny_model
+
+    model, net, comp, state, opt = _setup(method="qsgd", exchange=exchange, schedule="0")
+    x, y = _batch(dist.get_rank(), 0)
+    samples = []
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        samples.append(np.concatenate([p.grad.numpy().ravel() for p in model.parameters()]))
+    ref = tiny_model(torch, 0, SIZES)
+    F.cross_entropy(ref(x), y).backward()
+    local = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    dist.all_reduce(local)
+    s = np.stack(samples).astype(np.float64)
+    return {"mean": s.mean(0), "var": s.var(0, ddof=1), "steps": steps,
+            "exact": (local / dist.get_world_size()).numpy().astype(np.float64)}
+
+
+def fp32_training(steps=30):
+    """The same model and data with DDP's own fp32 allreduce (the reference)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.ranks import tiny_model
+
+    model = tiny_model(torch, 0, SIZES)
+    net = DDP(model, bucket_cap_mb=CAP_MB)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return {"losses": _train(net, opt, steps), "params": _params(model)}
+
+
+def quantized_training(steps=30, **setup):
+    """Train with the hook for ``steps``; losses, params, versions and code widths."""
+    model, net, comp, state, opt = _setup(**setup)
+    versions, bits = [], []
+
+    def after(step):
+        versions.append(comp.quantizer.table.version if comp.quantizes else -1)
+        bits.append(state.telemetry.last.bits)
+    losses = _train(net, opt, steps, after=after)
+    extra = {}
+    if comp.error_memory is not None:
+        extra["memory_keys"] = sorted(comp.error_memory.memory)
+        extra["units"] = [name for _, name, _, _ in state.layout]
+    return {"losses": losses, "params": _params(model), "versions": versions, "bits": bits,
+            "skipped": state.skipped, **extra}
+
+
+def resume(k=3, m=4, **setup):
+    """Train k steps, save (model, optimizer, hook), train m more; then a fresh model, DDP and
+    hook loaded from the checkpoint train the same m steps: the parameters must be identical."""
+    import io
+
+    import torch
+
+    model, net, comp, state, opt = _setup(**setup)
+    _train(net, opt, k)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "hook": state.state_dict()}, buf)
+    layout_saved = [name for _, name, _, _ in state.layout]
+    _train(net, opt, m, first=k)
+    straight = _params(model)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    model2, net2, comp2, state2, opt2 = _setup(seed=1, **setup)   # other initial weights
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    state2.load_state_dict(saved["hook"])
+    first_units = []
+    orig = state2.wire.submit
+
+    def submit(unit, raw):
+        if len(first_units) < 100:
+            first_units.append(unit.name)
+        orig(unit, raw)
+    state2.wire.submit = submit
+    resumed_losses = _train(net2, opt2, m, first=k)
+    return {"straight": straight, "resumed": _params(model2), "layout": layout_saved,
+            "first_units": first_units, "versions": (comp.quantizer.table.version,
+                                                     comp2.quantizer.table.version),
+            "steps": (comp.quantizer.step, comp2.quantizer.step), "losses": resumed_losses}
+
+
+def skip_nonfinite():
+    """nonfinite="skip": a NaN on rank 1 gives NaN for its bucket on every rank, then training
+    goes on."""
+    import torch.distributed as dist
+
+    model, net, comp, state, opt = _setup(method="qsgd", nonfinite="skip", schedule="0")
+    bad = dict(model.named_parameters())["2.weight"]
+    handle = bad.register_hook(lambda g: g * float("nan")) if dist.get_rank() == 1 else None
+    nan_grads, skipped = [], []
+
+    def after(step):
+        nan_grads.append(sorted(n for n, g in _grads(model).items() if np.isnan(g).any()))
+        skipped.append(state.skipped)
+        if handle is not None and step == 0:
+            handle.remove()
+        if step == 0:   # do not let the NaN into the weights
+            opt.zero_grad()
+    _train(net, opt, 3, after=after)
+    return {"nan_grads": nan_grads, "skipped": skipped, "params": _params(model),
+            "telemetry": [r.as_dict() for r in state.telemetry.history]}
+
+
+def mismatch():
+    """Rank 1 builds its compressor with other bits: every rank raises the same error."""
+    import torch.distributed as dist
+
+    _, net, _, _, opt = _setup(method="qsgd", bits=3 + dist.get_rank() % 2, schedule="0")
+    _train(net, opt, 1)
+
+
+def raise_nonfinite(exchange="auto"):
+    """A NaN in rank 1's ``2.weight`` gradient: every rank raises NonFiniteGradientError."""
+    import torch.distributed as dist
+
+    model, net, _, _, opt = _setup(method="qsgd", exchange=exchange, schedule="0")
+    if dist.get_rank() == 1:
+        dict(model.named_parameters())["2.weight"].register_hook(lambda g: g * float("nan"))
+    _train(net, opt, 1)
+
+
+CHECKS = {
+    2: [("oracle", {}), ("oracle[two_phase]", {"exchange": "two_phase", "steps": 3}),
+        ("unbiased", {}), ("fp32_training", {}), ("quantized_training", {}),
+        ("quantized_training[ecq]", {"method": "qsgd", "bits": 2, "error_feedback": True,
+                                     "schedule": "0"}),
+        ("quantized_training[dqsgd]", {"method": "dqsgd", "target_bits": 4, "window": 5}),
+        ("quantized_training[fp16]", {"method": "fp16"}),
+        ("resume", {"error_feedback": True, "schedule": "0,4,0"}),
+        ("skip_nonfinite", {}), ("mismatch", {}), ("raise_nonfinite", {})],
+    4: [("oracle", {"exchange": "two_phase", "steps": 3}), ("oracle[allgather]",
+                                                            {"exchange": "allgather", "steps": 2}),
+        ("unbiased", {"exchange": "two_phase", "steps": 150}),
+        ("quantized_training", {"exchange": "two_phase", "steps": 20}),
+        ("resume", {"exchange": "two_phase", "method": "dqsgd", "target_bits": 3,
+                    "max_bits": 4, "window": 3, "levels": "alq", "schedule": "0,4,0"}),
+        ("raise_nonfinite", {"exchange": "two_phase"})],
+}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"gloo-{p}")
+def results(request):
+    return request.param, launch(CHECKS[request.param], request.param)
+
+
+def _get(results, check):
+    world, res = results
+    if check not in res:
+        pytest.skip(f"{check} is not part of the {world}-rank launch")
+    return _ok(res, check)
+
+
+def _variant(results, base):
+    """The checks of the launch named ``base`` or ``base[...]``."""
+    return [c for c in results[1] if c.split("[")[0] == base]
+
+
+# ---------------------------------------------------------------- the numpy oracle (in pytest)
+def _expected(entries, world):
+    """What every rank must hold for one unit, from every rank's logged input."""
+    e0 = entries[0]
+    table = LevelTable(e0["levels"], e0["version"])
+    step, index, numel = e0["step"], e0["index"], e0["raw"].size
+
+    def enc(x, rank, part):
+        return codec.encode(x, table, bucket_size=BUCKET, norm=e0["norm"],
+                            key=StreamKey(SEED, rank, step, index, part))
+    if e0["mode"] == "allgather":
+        return codec.decode_average(np.stack([enc(e["raw"], r, 0)
+                                              for r, e in enumerate(entries)]), table)
+    m = chunk_numel(numel, world, BUCKET)
+    padded = [np.concatenate([e["raw"], np.zeros(world * m - numel, np.float32)])
+              for e in entries]
+    out = []
+    for r in range(world):
+        chunk = codec.decode_average(np.stack([enc(padded[p][r * m:(r + 1) * m], p, r)
+                                               for p in range(world)]), table)
+        out.append(codec.decode(enc(chunk, r, world), table))
+    return np.concatenate(out)[:numel]
+
+
+def test_hook_equals_numpy_oracle(results):
+    for check in _variant(results, "oracle"):
+        ranks = _get(results, check)
+        world = len(ranks)
+        steps = len(ranks[0]["grads"])
+        modes = set()
+        for step in range(steps):
+            units = [[e for e in r["log"] if e["step"] == step] for r in ranks]
+            assert all(len(u) == len(units[0]) for u in units)
+            for j, e0 in enumerate(units[0]):
+                entries = [u[j] for u in units]
+                assert all(e["name"] == e0["name"] for e in entries)
+                modes.add(e0["mode"])
+                expected = _expected(entries, world)
+                for r in ranks:
+                    got = np.concatenate([r["grads"][step][n].ravel() for n in e0["names"]])
+                    np.testing.assert_array_equal(got, expected, err_msg=f"{check} step {step}")
+                exact = np.mean([e["raw"] for e in entries], axis=0)
+                rel = np.linalg.norm(expected - exact) / np.linalg.norm(exact)
+                assert rel < 1.0, (check, step, rel)      # within quantization noise
+        wanted = {"oracle[two_phase]": {"two_phase"}, "oracle[allgather]": {"allgather"}}
+        assert modes == wanted.get(check, {"two_phase"} if world == 4 else {"allgather"})
+
+
+def test_ddp_rebuilds_buckets_and_the_hook_follows(results):
+    ranks = _get(results, _variant(results, "oracle")[0])
+    layouts = ranks[0]["layouts"]
+    assert len(layouts[0]) == 1, "DDP's first iteration has one bucket of every parameter"
+    assert len(layouts[1]) >= 3, "the rebuilt layout should have several buckets"
+    assert all(lay == layouts[1] for lay in layouts[1:])
+    assert all(r["layouts"] == layouts for r in ranks)
+
+
+def test_table_version_advances_at_scheduled_steps_on_every_rank(results):
+    for check in _variant(results, "oracle") + _variant(results, "quantized_training"):
+        ranks = _get(results, check)
+        if "[" in check:      # other compressors: see their own tests
+            continue
+        for r in ranks:       # schedule "0,2,0": refits at the end of steps 0 and 2
+            n = len(r["versions"])
+            assert r["versions"] == [1, 1] + [2] * (n - 2), (check, r["versions"])
+            assert r["versions"] == ranks[0]["versions"]
+    ranks = _get(results, _variant(results, "oracle")[0])
+    for r in ranks:
+        tele = r["telemetry"]
+        assert [t["refit"] for t in tele[:3]] == [True, False, True]
+        assert [t["table_version"] for t in tele[:3]] == [1, 1, 2]
+
+
+def test_parameters_identical_on_every_rank(results):
+    for check in (_variant(results, "oracle") + _variant(results, "quantized_training")
+                  + _variant(results, "fp32_training")):
+        ranks = _get(results, check)
+        for r in ranks[1:]:
+            for n, p in r["params"].items():
+                np.testing.assert_array_equal(p, ranks[0]["params"][n], err_msg=check)
+
+
+def test_exchange_is_unbiased(results):
+    (check,) = _variant(results, "unbiased")
+    res = _get(results, check)[0]
+    err = np.abs(res["mean"] - res["exact"])
+    bound = 6 * np.sqrt(res["var"] / res["steps"]) + 1e-6
+    assert (err <= bound).mean() > 0.999, float((err <= bound).mean())
+    assert np.linalg.norm(res["mean"] - res["exact"]) < 0.2 * np.linalg.norm(res["exact"])
+
+
+def test_alq_trains_like_fp32(results):
+    ranks = _get(results, "quantized_training")
+    losses = ranks[0]["losses"]
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])
+    if "fp32_training" in results[1]:
+        ref = _get(results, "fp32_training")[0]["losses"]
+        assert np.mean(losses[-5:]) < np.mean(ref[-5:]) + 0.25
+
+
+def test_error_feedback_dqsgd_and_fp16_hooks_train(results):
+    for check in ("quantized_training[ecq]", "quantized_training[dqsgd]",
+                  "quantized_training[fp16]"):
+        ranks = _get(results, check)
+        losses = ranks[0]["losses"]
+        assert np.mean(losses[-5:]) < 0.85 * np.mean(losses[:5]), (check, losses)
+        for r in ranks[1:]:
+            assert r["bits"] == ranks[0]["bits"]
+    ecq = _get(results, "quantized_training[ecq]")
+    for r in ecq:      # the memory follows DDP's rebuilt buckets (the first one is dropped)
+        assert r["memory_keys"] == sorted(r["units"])
+    dq = _get(results, "quantized_training[dqsgd]")[0]["bits"]
+    assert len(set(dq)) > 1, f"DQSGD never changed its width: {dq}"
+
+
+def test_state_dict_resume_is_bit_exact(results):
+    for r in _get(results, "resume"):
+        assert r["steps"][0] == r["steps"][1]
+        assert r["versions"][0] == r["versions"][1] >= 2       # a refit in the resumed part
+        for n, p in r["straight"].items():
+            np.testing.assert_array_equal(r["resumed"][n], p, err_msg=n)
+        # the resumed first step exchanged the saved buckets inside DDP's initial one
+        assert r["first_units"][:len(r["layout"])] == r["layout"]
+
+
+def test_nonfinite_skip_on_every_rank(results):
+    ranks = _get(results, "skip_nonfinite")
+    for r in ranks:
+        assert r["skipped"] == [True, False, False]
+        assert r["nan_grads"][0] and "2.weight" in r["nan_grads"][0]
+        assert r["nan_grads"][1:] == [[], []]
+        assert all(np.isfinite(p).all() for p in r["params"].values())
+        assert r["telemetry"][0]["extra"].get("skipped") == 1.0
+
+
+def test_settings_mismatch_fails_everywhere(results):
+    world, res = results
+    if "mismatch" not in res:
+        pytest.skip("2-rank launch only")
+    outcomes = res["mismatch"]
+    assert all(o[0] == "error" and o[1] == "ConfigMismatchError" for o in outcomes), outcomes
+    assert len({o[2] for o in outcomes}) == 1            # the same message everywhere
+    assert "bits 3" in outcomes[0][2] and "bits 4" in outcomes[0][2]
+
+
+def test_nonfinite_raises_on_every_rank(results):
+    world, res = results
+    outcomes = res["raise_nonfinite"]
+    assert all(o[0] == "error" and o[1] == "NonFiniteGradientError" for o in outcomes), outcomes
+    assert len({o[2] for o in outcomes}) == 1
+    assert "on rank 1" in outcomes[0][2] and "'2.weight'" in outcomes[0][2]
+
+
+# ---------------------------------------------------------------- the example, under torchrun
+def test_ddp_mnist_example_under_torchrun(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        torchrun = shutil.which("torchrun")
+    out = tmp_path / "ddp"
+    cmd = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), os.path.join(ROOT, "examples", "ddp_mnist.py"),
+           "--epochs", "1", "--max-steps", "20", "--out", str(out), "--no-progress"]
+    env = dict(os.environ, **RANK_ENV)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "metrics.json") as f:
+        summary = json.load(f)["summary"]
+    assert summary["ranks"] == 2 and summary["table_version"] >= 1
+    assert summary["compression_ratio"] > 5
+    assert "test accuracy" in proc.stdout
