@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------- inside a rank
 def _model(torch, sizes, seed=0):
-    from tests.ranks import tiny_model   # the deterministic MLP of the multi-process tests
+    from tests.ranks import tiny_model  # the deterministic MLP of the multi-process tests
 
     return tiny_model(torch, seed=seed, sizes=sizes)
 

@@ -341,8 +341,58 @@ def raise_nonfinite(exchange="auto"):
     _train(net, opt, 1)
 
 
+def overflow_marker(exchange="auto"):
+    """Rank 1's finite gradient has a bucket whose norm overflows float32: every rank raises the
+    same NonFiniteGradientError (a marker, as for NaN), instead of one rank failing to encode."""
+    import torch.distributed as dist
+
+    model, net, comp, state, opt = _setup(exchange=exchange)
+    if dist.get_rank() == 1:
+        dict(model.named_parameters())["2.weight"].register_hook(
+            lambda g: torch_full_like(g, 1e38))
+    try:
+        _train(net, opt, 1)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def torch_full_like(g, value):
+    import torch
+
+    return torch.full_like(g, value)
+
+
+def checksum_exchange(steps=3, exchange="auto"):
+    """checksum=True: every payload carries FLAG_CHECKSUM and a CRC the decoders verify; the
+    training is bitwise the one without (the CRC changes no decoded value)."""
+    from horovod_aq.torch import kernels
+
+    flags, encode = [], kernels.encode
+
+    def recorded(*args, **kwargs):
+        out = encode(*args, **kwargs)
+        flags.append(int(out[codec.FLAGS_OFFSET]) & codec.FLAG_CHECKSUM)
+        return out
+
+    out = {}
+    for checksum in (False, True):
+        model, net, comp, state, opt = _setup(exchange=exchange, checksum=checksum)
+        flags.clear()
+        kernels.encode = recorded
+        try:
+            _train(net, opt, steps)
+        finally:
+            kernels.encode = encode
+        out[checksum] = {"params": _params(model), "flags": sorted(set(flags))}
+    return out
+
+
 CHECKS = {
-    2: [("oracle", {}), ("oracle[two_phase]", {"exchange": "two_phase", "steps": 3}),
+    2: [("oracle", {}), ("checksum_exchange", {}),
+        ("overflow_marker", {}), ("overflow_marker[two_phase]", {"exchange": "two_phase"}),
+        ("checksum_exchange[two_phase]", {"exchange": "two_phase"}),
+        ("oracle[two_phase]", {"exchange": "two_phase", "steps": 3}),
         ("unbiased", {}), ("fp32_training", {}), ("quantized_training", {}),
         ("quantized_training[ecq]", {"method": "qsgd", "bits": 2, "error_feedback": True,
                                      "schedule": "0"}),
@@ -397,6 +447,7 @@ def _expected(entries, world):
     for r in range(world):
         chunk = codec.decode_average(np.stack([enc(padded[p][r * m:(r + 1) * m], p, r)
                                                for p in range(world)]), table)
+        chunk[min(max(numel - r * m, 0), m):] = 0.0     # the unit's padding: exact zeros
         out.append(codec.decode(enc(chunk, r, world), table))
     return np.concatenate(out)[:numel]
 
@@ -547,3 +598,17 @@ def test_ddp_mnist_example_under_torchrun(tmp_path):
     assert summary["ranks"] == 2 and summary["table_version"] >= 1
     assert summary["compression_ratio"] > 5
     assert "test accuracy" in proc.stdout
+
+
+@pytest.mark.parametrize("check", ["checksum_exchange", "checksum_exchange[two_phase]"])
+def test_checksum_exchange(results, check):
+    for r in _get(results, check):
+        assert r[True]["flags"] == [codec.FLAG_CHECKSUM] and r[False]["flags"] == [0]
+        for name, value in r[False]["params"].items():
+            np.testing.assert_array_equal(r[True]["params"][name], value)
+
+
+@pytest.mark.parametrize("check", ["overflow_marker", "overflow_marker[two_phase]"])
+def test_overflowing_norm_is_a_marker_on_every_rank(results, check):
+    for message in _get(results, check):
+        assert message.startswith("NonFiniteGradientError") and "rank 1" in message, message

@@ -437,6 +437,17 @@ def test_docs_keras_md_shows_the_tested_snippets():
     assert HOROVOD_STYLE in text
 
 
+#: The snippets the README shows, word for word.
+README = ("tape", "fit", "stock")
+
+
+def test_readme_shows_the_tested_snippets():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    for name in README:
+        assert f"```python\n{SNIPPETS[name]}```" in text, name
+
+
 def readme_markdown() -> str:
     """The snippets as Markdown, for the README and docs/keras.md."""
     parts = ["Setup assumed by the snippets:\n", "```python\n" + SETUP + "```\n"]

@@ -254,6 +254,47 @@ def nonfinite_everywhere():
     return "no error"
 
 
+def hostile_tape():
+    """Failure modes on the packed tape: (1) rank 1's finite gradient has a bucket whose norm
+    overflows float32 — every rank raises the same NonFiniteGradientError, and with "skip" every
+    rank gets NaN; (2) a 1-element source over the two-phase exchange averages exactly (the
+    padding adds no noise); (3) rank 0 builds an extra exchange first (an evaluation copy with
+    other settings): the names do not depend on it, so the next exchange neither hangs nor
+    mismatches."""
+    tf, hvd = init_tf()
+    import horovod_aq.tensorflow as aqtf
+
+    out = {}
+    for mode in ("raise", "skip"):
+        v = {"w": tf.Variable(np.ones(64, np.float32))}
+        comp = _compressor(nonfinite=mode)
+        scale = tf.constant(1e38 if hvd.rank() == 1 else 1.0)   # norm 8e38: overflows
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v["w"] * scale)
+        t = aqtf.DistributedGradientTape(tape, comp, exchange="allgather")
+        try:
+            g = t.gradient(loss, [v["w"]])[0]
+            out[mode] = "nan" if bool(tf.reduce_all(tf.math.is_nan(g))) else "values"
+        except Exception as exc:  # noqa: BLE001
+            out[mode] = f"{type(exc).__name__}: {exc}"
+    w = tf.Variable(np.zeros(1, np.float32))
+    comp = _compressor("qsgd", bits=2)
+    exact = []
+    for step in range(4):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * (0.2 + 0.2 * hvd.rank() + 0.05 * step))
+        t = aqtf.DistributedGradientTape(tape, comp, exchange="two_phase")
+        exact.append(float(t.gradient(loss, [w])[0][0]))
+    out["one_element"] = exact
+    v = _variables(tf)
+    comp = _compressor()
+    if hvd.rank() == 0:
+        aqtf.exchange_for(comp, process_set=hvd.global_process_set, exchange="two_phase")
+    grads, _ = _packed_step(tf, hvd, comp, v, "allgather", False)
+    out["extra_exchange"] = [g.numpy() for g in grads]
+    return out
+
+
 def nonfinite_skip():
     """nonfinite="skip": every rank gets NaN for the tape's gradients, and the Keras 3
     DistributedOptimizer skips the update on every rank (weights and iterations unchanged)."""
@@ -310,6 +351,24 @@ def checkpoint_resume():
     return {"same_table": comp2.table.same_as(comp.table), "step": comp2.step,
             "version": comp2.table.version,
             "identical": all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(g1, g2))}
+
+
+def checksum_tape():
+    """checksum=True on the packed tape (allgather and two-phase, in a tf.function): every payload
+    carries FLAG_CHECKSUM, and the averaged gradients are bitwise those without a checksum."""
+    tf, hvd = init_tf()
+    out = {}
+    for exchange in ("allgather", "two_phase"):
+        for checksum in (False, True):
+            v = _variables(tf)
+            comp = _compressor("qsgd", checksum=checksum)
+            with EncodeRecorder() as rec:
+                grads, _ = _packed_step(tf, hvd, comp, v, exchange, True)
+            out[(exchange, checksum)] = {
+                "grads": [g.numpy() for g in grads],
+                "flags": sorted({int(e[5][codec.FLAGS_OFFSET]) & codec.FLAG_CHECKSUM
+                                 for e in rec.entries})}
+    return out
 
 
 def stock_tape():
@@ -860,14 +919,15 @@ def lr_callbacks():
 ALL_CHECKS = [oracle_allgather_eager, oracle_allgather_graph, oracle_two_phase_eager,
               oracle_two_phase_graph, refit_in_function, checkpoint_resume, stock_tape,
               settings_mismatch, version_mismatch, nonfinite_everywhere, nonfinite_skip,
-              keras_fit_fp32, keras_fit_alq, custom_loop_fp32, custom_loop_alq]
+              keras_fit_fp32, keras_fit_alq, custom_loop_fp32, custom_loop_alq, checksum_tape,
+              hostile_tape]
 #: Under MPI the checks where the controller matters (collectives, refit transport = mpi4py,
 #: failure paths, training with refits over mpi4py); eager/graph variants of the same exchange,
 #: the checkpoint, the stock tape (the stock path runs under MPI in test_tf_keras2_stock) run
 #: under Gloo only, and training with one seed (the numerics do not depend on the controller:
 #: both give the same losses), to keep the TF launches within a few minutes on two cores.
 MPI_CHECKS = [oracle_allgather_graph, oracle_two_phase_eager, refit_in_function,
-              settings_mismatch, version_mismatch, nonfinite_everywhere,
+              settings_mismatch, version_mismatch, nonfinite_everywhere, hostile_tape,
               *((check, {"seeds": TRAIN_SEEDS[:1]}) for check in (keras_fit_alq, custom_loop_alq))]
 CHECKS = {"gloo": ALL_CHECKS, "mpi": MPI_CHECKS}
 #: Horovod's Keras/tape features on Keras 3, in their own launch (``-k features``); under MPI the
@@ -879,7 +939,7 @@ FEATURE_CHECKS = {"gloo": [mixed_precision_overflow, embedding_text_model, gradi
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"], ids=lambda c: f"{c}-2")
 def launch(request):
-    return run_local(CHECKS[request.param], np=2, controller=request.param, timeout=600)
+    return run_local(CHECKS[request.param], np=2, controller=request.param, timeout=900)
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"], ids=lambda c: f"{c}-2")
@@ -929,6 +989,9 @@ def _assert_two_phase_oracle(results, table):
         for r in range(P):
             avg = codec.decode_average(np.stack([chunks[p][r] for p in range(P)]), table)
             entry = next(e for e in results[r]["entries"] if e[0] == name and e[1] == "reencode")
+            m = avg.size
+            avg = avg.copy()
+            avg[min(max(numel - r * m, 0), m):] = 0.0    # the bucket's padding: exact zeros
             np.testing.assert_array_equal(entry[4], avg)  # rank r re-encoded the exact average
             reencoded.append(codec.decode(entry[5], table))
         expected = np.concatenate(reencoded)[:numel]
@@ -1247,3 +1310,24 @@ def test_features_learning_rate_callbacks(features):
             w, old = w + v, new
     for r in (r0, r1):
         np.testing.assert_allclose(r["momentum"]["w"], w, rtol=1e-5)
+
+
+def test_checksum_on_the_packed_tape(launch):
+    for r in _get(launch, checksum_tape):
+        for exchange in ("allgather", "two_phase"):
+            plain, checked = r[(exchange, False)], r[(exchange, True)]
+            assert plain["flags"] == [0] and checked["flags"] == [codec.FLAG_CHECKSUM]
+            for a, b in zip(plain["grads"], checked["grads"]):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_hostile_inputs_on_the_packed_tape(launch):
+    results = _get(launch, hostile_tape)
+    for r in results:
+        assert r["raise"].startswith("NonFiniteGradientError") and "rank 1" in r["raise"], r
+        assert r["skip"] == "nan", r
+        for step, got in enumerate(r["one_element"]):     # (0.2 + 0.4)/2 + 0.05·step, exactly
+            assert got == np.float32(np.float32(0.3) + np.float32(0.05 * step)) or \
+                abs(got - (0.3 + 0.05 * step)) < 1e-6, r["one_element"]
+    for a, b in zip(results[0]["extra_exchange"], results[1]["extra_exchange"]):
+        np.testing.assert_array_equal(a, b)

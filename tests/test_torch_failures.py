@@ -4,8 +4,8 @@ Each check provokes one way a real training script goes wrong — parameters wit
 a finite gradient too large to quantize, an extra optimizer on one rank, a backward pass that
 fails and is retried, parameters added after wrapping, a tail chunk of zero padding, a rank that
 stops early — and asserts what every rank sees: the same result or the same error, never a
-hang. The checks that leave a collective behind (a stalled exchange) run in a launch of their
-own, last.
+hang. The checks that leave a collective behind (a joined rank, a stalled exchange) run in a
+launch of their own, with a short stall timeout.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class _Three:
         self.module = torch.nn.Module()
         self.module.used = torch.nn.Parameter(torch.randn(6))
         self.module.unused = torch.nn.Parameter(torch.randn(5))
-        self.module.half = torch.nn.Parameter(torch.randn(3))
+        self.module.partial = torch.nn.Parameter(torch.randn(3))
         self.rank = rank
 
     def loss(self, torch, step):
@@ -54,7 +54,7 @@ class _Three:
         x = torch.randn(6, generator=gen)
         loss = (self.module.used * x).sum() ** 2
         if self.rank == 0:
-            loss = loss + (self.module.half ** 2).sum()
+            loss = loss + (self.module.partial ** 2).sum()
         return loss
 
 
@@ -82,8 +82,8 @@ def missing_gradients():
                 m.loss(torch, step).backward()
                 opt.step()
                 grads_none.append(m.module.unused.grad is None)
-                halves.append(m.module.half.grad is not None
-                              and bool(torch.isfinite(m.module.half.grad).all()))
+                halves.append(m.module.partial.grad is not None
+                              and bool(torch.isfinite(m.module.partial.grad).all()))
             out[f"{exchange}-{kind}"] = {
                 "unused_same": bool(torch.equal(m.module.unused.detach(), before)),
                 "unused_grad_none": all(grads_none),
@@ -130,8 +130,8 @@ def overflowing_norm():
                      "again": again,
                      "after": p.detach().numpy().copy()}
 
-    p, opt = make("raise", bucket_size=1)
-    set_grad(p, 3e38)
+    p, opt = make("raise", bucket_size=2)
+    p.grad = torch.tensor([3e38, 0.0] * 4)   # norm 3e38 per bucket: 3e38 travels exactly
     opt.synchronize()
     out["huge"] = {"finite": bool(torch.isfinite(p.grad).all()),
                    "grad": p.grad.numpy().copy()}
@@ -153,8 +153,11 @@ def content_names():
     rank = hvd.rank()
     model = tiny_model(torch, 1)
     if rank == 0:   # an evaluation copy that never steps (the same content as the real one)
+        import copy
+
+        evaluated = copy.deepcopy(model)
         aqt.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+            torch.optim.SGD(evaluated.parameters(), lr=0.1), evaluated.named_parameters(),
             horovod_aq.ErrorFeedback(_qsgd(bits=2), alpha=0.3, beta=0.8), fusion_bytes=4000)
     comp = horovod_aq.ErrorFeedback(_qsgd(bits=2), alpha=0.3, beta=0.8)
     opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -315,8 +318,47 @@ def stalled_exchange():
             "bucket": opt.buckets[0][0]}
 
 
+def checksummed_exchange():
+    """checksum=True: every payload the optimizer encodes carries FLAG_CHECKSUM, the decoders
+    verify it, and training is bitwise the one without (allgather and two-phase)."""
+    torch, hvd = init_torch()
+    import horovod_aq.torch as aqt
+    from horovod_aq import codec
+    from horovod_aq.torch import kernels
+    from tests.ranks import tiny_model
+
+    flags, encode = [], kernels.encode
+
+    def recorded(*args, **kwargs):
+        out = encode(*args, **kwargs)
+        flags.append(int(out[codec.FLAGS_OFFSET]) & codec.FLAG_CHECKSUM)
+        return out
+
+    out = {}
+    for exchange in ("allgather", "two_phase"):
+        for checksum in (False, True):
+            model = tiny_model(torch, 0)
+            opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           model.named_parameters(),
+                                           _qsgd(bucket_size=64, checksum=checksum),
+                                           exchange=exchange)
+            flags.clear()
+            kernels.encode = recorded
+            try:
+                for step in range(2):
+                    opt.zero_grad()
+                    gen = torch.Generator().manual_seed(10 * step + hvd.rank())
+                    model(torch.randn(8, 20, generator=gen)).square().mean().backward()
+                    opt.step()
+            finally:
+                kernels.encode = encode
+            out[(exchange, checksum)] = {"flags": sorted(set(flags)), "weights": [
+                p.detach().numpy().copy() for p in model.parameters()]}
+    return out
+
+
 CHECKS = [missing_gradients, overflowing_norm, content_names, retried_backward,
-          parameters_after_wrapping, padded_tail_chunk]
+          parameters_after_wrapping, padded_tail_chunk, checksummed_exchange]
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
@@ -326,12 +368,24 @@ def launch(request):
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def stall_launch(request):
-    return run_local([stalled_exchange], np=2, controller=request.param, timeout=300)
+    return run_local([joined_rank, stalled_exchange], np=2, controller=request.param, timeout=300)
 
 
 # ---------------------------------------------------------------- tests
 def _same_weights(a, b):
     return sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.multiprocess
+def test_checksummed_exchange(launch):
+    from horovod_aq import codec
+
+    for r in launch.get(checksummed_exchange):
+        for exchange in ("allgather", "two_phase"):
+            plain, checked = r[(exchange, False)], r[(exchange, True)]
+            assert plain["flags"] == [0] and checked["flags"] == [codec.FLAG_CHECKSUM]
+            for a, b in zip(plain["weights"], checked["weights"]):
+                np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.multiprocess
@@ -357,7 +411,7 @@ def test_overflowing_norm_is_a_nonfinite_gradient_on_every_rank(launch):
         assert r["skip"]["error"] is None and r["skip"]["unchanged"]
         assert r["raise"]["again"] is None and r["skip"]["again"] is None   # not broken
         assert r["huge"]["finite"]
-        assert np.array_equal(r["huge"]["grad"], np.full(8, np.float32(3e38)))
+        assert np.array_equal(r["huge"]["grad"][::2], np.full(4, np.float32(3e38)))
     assert np.array_equal(r0["skip"]["after"], r1["skip"]["after"])
     assert np.array_equal(r0["raise"]["after"], r1["raise"]["after"])
 
@@ -409,9 +463,108 @@ def test_two_phase_padding_adds_no_noise(launch):
 @pytest.mark.multiprocess
 def test_a_stalled_exchange_ends_with_an_error_on_every_rank(stall_launch):
     results = stall_launch.get(stalled_exchange)
+    stalled = 0
     for r in results:
-        assert r["error"] is not None
+        assert r["error"] is not None   # every rank ends with an error, none hangs
         kind, message = r["error"]
-        assert kind == "ExchangeStalledError", r["error"]
-        assert f"aq.ag.{r['bucket']}" in message and "different collective" in message
         assert r["seconds"] < 60
+        if kind == "ExchangeStalledError":
+            stalled += 1
+            assert f"aq.ag.{r['bucket']}" in message and "different collective" in message
+            assert "at step 1" in message
+        else:   # a rank whose peer ended first may see Horovod's shutdown instead
+            assert kind == "HorovodInternalError", r["error"]
+    assert stalled >= 1
+
+
+def joined_rank():
+    """17.3: rank 1 runs one step fewer and calls hvd.join(), as Horovod's uneven-data pattern
+    does: rank 0's last step must end with an error (no hang), then rank 0 joins too."""
+    torch, hvd = init_torch()
+    import time
+
+    import horovod_aq.torch as aqt
+
+    rank = hvd.rank()
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(7))
+    opt = aqt.DistributedOptimizer(torch.optim.SGD([a], lr=0.1), [("j", a)], _qsgd(),
+                                   stall_timeout_s=STALL_S)
+    errors = []
+    started = time.monotonic()
+    for step in range(3 if rank == 0 else 2):
+        opt.zero_grad()
+        (a ** 2).sum().backward()
+        err = _error(opt.step)
+        if err is not None:
+            errors.append(err)
+            break
+    joined = _error(hvd.join)
+    return {"errors": errors, "join": joined, "seconds": time.monotonic() - started}
+
+
+@pytest.mark.multiprocess
+def test_a_joined_rank_stops_the_others_with_a_clear_error(stall_launch):
+    r0, r1 = stall_launch.get(joined_rank)
+    assert r1["errors"] == []   # rank 1 ran its two steps, then joined
+    assert len(r0["errors"]) == 1 and r0["seconds"] < 60
+    kind, message = r0["errors"][0]
+    assert kind in ("JoinedRankError", "ExchangeStalledError"), r0["errors"]
+    if kind == "JoinedRankError":
+        assert "rank(s) 1 called hvd.join()" in message and "same number of steps" in message
+    # Horovod's own join() on the joined rank may fail on a gathered output; it returns
+    assert r0["join"] is None or r0["join"][0] in ("RuntimeError", "HorovodInternalError")
+
+
+# ---------------------------------------------------------------- the core decisions (no ranks)
+def test_first_unsendable_flags_norms_past_float32():
+    from horovod_aq.packed.protocol import FLOAT32_MAX, bucket_sendable, first_unsendable
+
+    assert first_unsendable(np.array([1.0, FLOAT32_MAX, 3e38])) is None
+    assert first_unsendable(np.array([1.0, 4e38, 5e38])) == 1            # float64 norms
+    assert first_unsendable(np.array([1.0, np.inf], dtype=np.float32)) == 1
+    assert first_unsendable(np.array([np.nan])) == 0
+    assert bucket_sendable([2.0]) and not bucket_sendable([1e39])
+
+
+def test_stall_timeout_setting(monkeypatch):
+    from horovod_aq.packed.protocol import (
+        DEFAULT_STALL_TIMEOUT_S,
+        STALL_TIMEOUT_ENV,
+        ExchangeStalledError,
+        stall_timeout_s,
+    )
+
+    monkeypatch.delenv(STALL_TIMEOUT_ENV, raising=False)
+    assert stall_timeout_s() == DEFAULT_STALL_TIMEOUT_S
+    monkeypatch.setenv(STALL_TIMEOUT_ENV, "12.5")
+    assert stall_timeout_s() == 12.5
+    assert stall_timeout_s(3) == 3.0 and stall_timeout_s(0) is None
+    monkeypatch.setenv(STALL_TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match=STALL_TIMEOUT_ENV):
+        stall_timeout_s()
+    with pytest.raises(ValueError):
+        stall_timeout_s("5")
+    err = ExchangeStalledError("aq.ag.b", bucket="b", step=7, doing="waiting", timeout_s=2)
+    assert "'aq.ag.b'" in str(err) and "step 7" in str(err) and "different collective" in str(err)
+
+
+def test_content_names_and_legacy_names():
+    from horovod_aq.packed import plan
+
+    key = plan.exchange_key("qsgd3b4", [("a", 6), ("b", 9)], ("auto", 100))
+    assert key == plan.exchange_key("qsgd3b4", [("a", 6), ("b", 9)], ("auto", 100))
+    assert key.startswith("qsgd3b4.c")
+    assert key != plan.exchange_key("qsgd3b4", [("a", 6), ("b", 10)], ("auto", 100))
+    assert key != plan.exchange_key("qsgd3b4", [("a", 6), ("b", 9)], ("two_phase", 100))
+    assert plan.handshake_name("torch", 0) == "aq.handshake.torch.0"
+    assert plan.handshake_name(3, 1) == "aq.handshake.x3.1"          # TensorFlow's, unchanged
+    assert plan.exchange_prefix("alq3b1024", 2) == "alq3b1024.x2"
+
+
+def test_joined_rows_are_rows_without_the_magic():
+    from horovod_aq.packed.protocol import joined_message, joined_rows
+
+    assert joined_rows(np.array([[65, 81], [0, 0], [65, 81]], dtype=np.uint8)) == [1]
+    assert joined_rows(np.array([[65, 81]], dtype=np.uint8)) == []
+    assert "rank(s) 1, 2 called hvd.join()" in joined_message([1, 2], "aq.ag.x")

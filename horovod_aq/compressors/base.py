@@ -77,6 +77,11 @@ class Compressor:
     the bad rank raises. "skip": every rank skips the optimizer step consistently — the packed
     optimizers leave the weights untouched and return NaN gradients for the affected tensors (so
     AMP's GradScaler lowers its scale), and the stock path sends NaN so that every rank sees it.
+
+    ``checksum``: the packed exchanges (PyTorch optimizer, TensorFlow tape and Keras, DDP hook)
+    write a CRC-32 of every payload into its header, and every decoder refuses a payload whose
+    bytes changed (docs/format.md §11). Off by default: benchmarks/results/checksum.md measures
+    7–20 % of encode + decode time on the CPU path.
     """
 
     method: ClassVar[str] = "base"
@@ -102,6 +107,7 @@ class Compressor:
         top_k: int = DEFAULT_TOP_K,
         name: str | None = None,
         nonfinite: str = "raise",
+        checksum: bool = False,
     ) -> None:
         # every argument checked before anything is set (horovod_aq.compressors.arguments)
         if self.quantizes:
@@ -114,7 +120,12 @@ class Compressor:
         top_k = arguments.integer("top_k", top_k, 1)
         name = arguments.name(name)
         nonfinite = arguments.choice("nonfinite", nonfinite, NONFINITE)
+        if not isinstance(checksum, bool):
+            raise TypeError(f"checksum must be True or False, got {checksum!r}")
         self.nonfinite = nonfinite
+        #: Whether the packed exchanges write a CRC-32 into every payload (docs/format.md §11);
+        #: decoders verify any payload that carries one.
+        self.checksum = checksum
         self.bits = int(bits)
         self.bucket_size = int(bucket_size)
         self.norm = norm
@@ -403,7 +414,8 @@ class Compressor:
         """The settings that must agree on every rank."""
         return {"method": self.method, "bits": self.bits, "bucket_size": self.bucket_size,
                 "norm": self.norm, "schedule": str(self.schedule), "top_k": self.top_k,
-                "name": self.name, "nonfinite": self.nonfinite}
+                "name": self.name, "nonfinite": self.nonfinite,
+                **({"checksum": True} if self.checksum else {})}
 
     def fingerprint(self) -> np.ndarray:
         """Settings + table identity as int64s (:func:`settings_fingerprint`)."""

@@ -59,6 +59,7 @@ class DQSGD(Compressor):
         schedule: RefitSchedule | str | None = None,
         name: str | None = None,
         nonfinite: str = "raise",
+        checksum: bool = False,
         **level_kwargs: Any,
     ) -> None:
         if bits is not None:   # the generic factory's ``bits`` is the target mean width
@@ -96,6 +97,7 @@ class DQSGD(Compressor):
         self.adaptive = first.adaptive  # type: ignore[misc]
         super().__init__(min_bits, bucket_size=first.bucket_size, norm=first.norm, seed=seed,
                          schedule=first.schedule, top_k=first.top_k, nonfinite=nonfinite,
+                         checksum=checksum,
                          name=name or f"dqsgd-{levels}{min_bits}-{max_bits}b{first.bucket_size}")
         self.bits = self.rule.first_bits()
         self._aggregate_sq = 0.0

@@ -61,6 +61,26 @@ class ExchangeStalledError(RuntimeError):
                                          timeout_s=timeout_s))
 
 
+class JoinedRankError(RuntimeError):
+    """A rank called ``hvd.join()`` while the others still exchange packed gradients."""
+
+
+def joined_rows(magic: Any) -> list[int]:
+    """The ranks whose gathered row starts with zero bytes instead of the payload magic: under
+    ``hvd.join()`` Horovod fills a joined rank's part of a collective with zeros."""
+    magic = np.asarray(magic, dtype=np.uint8).reshape(len(magic), -1)
+    return [r for r in range(magic.shape[0]) if not magic[r].any()]
+
+
+def joined_message(ranks: Sequence[int], collective: str) -> str:
+    """Why the ranks still training stop when others joined (docs/protocol.md §15)."""
+    return (f"horovod_aq: rank(s) {', '.join(map(str, ranks))} called hvd.join() (Horovod sent "
+            f"zeros in their place in '{collective}'): the packed exchange needs every rank's "
+            "payload, and joined ranks send none. Run the same number of steps on every rank "
+            "(e.g. drop_last=True, or equal shards per rank), or train the uneven tail with "
+            "hvd.DistributedOptimizer, whose allreduce counts joined ranks as zeros")
+
+
 #: Default seconds a packed exchange waits for one collective before raising
 #: :class:`ExchangeStalledError` (generous: a slow first step compiles kernels and connects).
 DEFAULT_STALL_TIMEOUT_S = 300.0

@@ -17,9 +17,11 @@ from horovod_aq._requirements import import_horovod, lazy_attributes, require
 
 require("tensorflow", "tensorflow")
 _hvd = import_horovod("horovod.tensorflow")
+from horovod_aq.tensorflow import compat as _compat  # noqa: E402, F401  (Keras 3 ref() for Horovod)
 
 _LAZY = {
     "DistributedGradientTape": "horovod_aq.tensorflow.tape",
+    "PartialDistributedGradientTape": "horovod_aq.tensorflow.tape",
     "DEFAULT_FUSION_BYTES": "horovod_aq.packed.plan",
     "PackedExchange": "horovod_aq.tensorflow.packed",
     "exchange_for": "horovod_aq.tensorflow.packed",
@@ -39,5 +41,6 @@ __getattr__ = lazy_attributes(__name__, _LAZY, "horovod.tensorflow",
                               without_horovod=frozenset(_WITHOUT_HOROVOD))
 
 __all__ = ["DEFAULT_FUSION_BYTES", "ConfigMismatchError", "DistributedGradientTape", "HorovodComm",
+           "PartialDistributedGradientTape",
            "PackedExchange", "PayloadError", "comm_for", "end_step", "exchange_for",
            "load_state_dict", "refit", "state_dict", "tf_state"]

@@ -409,13 +409,3 @@ def load_model(filepath: Any, compression: Any = None, *, custom_optimizers: Any
     objects.update(custom_objects or {})
     return keras.models.load_model(filepath, custom_objects=objects, compile=compile,
                                    safe_mode=safe_mode)
-
-
-# horovod_aq.keras lists the names it re-exports; give it the newer ones as well when it was
-# imported before this module was extended (it imports this module).
-import horovod_aq.keras as _package  # noqa: E402
-
-for _name in __all__:
-    if not hasattr(_package, _name):
-        setattr(_package, _name, globals()[_name])
-del _name

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,11 +45,11 @@ from horovod_aq.packed.plan import (
     DEFAULT_FUSION_BYTES,
     BucketPlan,
     layout_digest,
-    next_exchange_index,
     op_name,
     plan_buckets,
 )
 from horovod_aq.packed.protocol import (
+    FLOAT32_MAX,
     ExchangeSettings,
     Traffic,
     check_compression,
@@ -101,6 +102,8 @@ class _Plan:
     offsets: dict[int, int]          # source position -> offset inside its bucket
     fns: dict = dataclasses.field(default_factory=dict)  # eager entries by "raise" flag
     checked: bool = False
+    handshake: str = ""              # the handshake collective's name (content, not counters)
+    content: str = ""                # the layout's content key (bucket and allreduce names)
     traffic: dict[int, Traffic] = dataclasses.field(default_factory=dict)  # by code width
 
 
@@ -120,7 +123,6 @@ class PackedExchange:
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.index = index                        # among this compression's exchanges
         self.prefix = names.exchange_prefix(compression.name, index)
-        self.serial = next_exchange_index()       # among this process's exchanges
         self.included = bool(process_set.included())
         self.ranks = process_set.size() if self.included else 1
         self.active = self.included and self.ranks > 1
@@ -280,9 +282,14 @@ class PackedExchange:
         comp, P, settings = self.compression, self.ranks, self.settings
         numels = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         order = list(range(len(source_names)))[::-1]
+        # content names (docs/protocol.md §6): the same on every rank that averages the same
+        # sources with the same settings, whatever else a rank created
+        content = names.exchange_key(comp.name, zip(source_names, numels),
+                                     (settings.exchange, settings.cap_numel,
+                                      settings.small_tensor_threshold, P))
         plans, small = plan_buckets(
             [source_names[i] for i in order], [numels[i] for i in order], [""] * len(order),
-            prefix=f"{self.prefix}.{len(self._plan_list)}", cap_numel=settings.cap_numel,
+            prefix=f"{content}.0", cap_numel=settings.cap_numel,
             small_threshold=settings.small_tensor_threshold, quantizes=comp.quantizes,
             exchange=settings.exchange, bits=comp.code_bits, bucket_size=comp.bucket_size,
             ranks=P, network=settings.network)
@@ -292,6 +299,11 @@ class PackedExchange:
         small = [order[m] for m in small]
         plan = _Plan(len(self._plan_list), source_names, shapes, buckets, small,
                      layout_digest(buckets, [source_names[i] for i in small]), {})
+        #: the handshake's name depends on the sources only, so ranks that disagree on the
+        #: settings it compares still meet in it
+        plan.content = content
+        plan.handshake = names.handshake_name(
+            names.exchange_key("tf", zip(source_names, numels)), 0)
         for b in buckets:
             offset = 0
             for m in b.members:
@@ -307,7 +319,7 @@ class PackedExchange:
         mine = handshake_vector(comp.fingerprint(), plan.layout, self.ranks)
         with tf.init_scope():
             gathered = hvd.allgather(tf.constant(mine[None, :]),
-                                     name=names.handshake_name(self.serial, plan.index),
+                                     name=plan.handshake,
                                      process_set=self.process_set).numpy()
         plan.checked = True
         check_handshake(gathered, comp.describe_fingerprint)
@@ -342,7 +354,7 @@ class PackedExchange:
         comp = self.compression
         return self._by_width(lambda w: kernels.encode_with(
             x, w.levels, self._header(w, numel), bits=w.bits, bucket_size=comp.bucket_size,
-            norm=comp.norm, key=key, check=False))
+            norm=comp.norm, key=key, check=False, checksum=self.quantizer.checksum))
 
     def _marker(self, numel: int, first_bad: tf.Tensor) -> tf.Tensor:
         """``codec.nonfinite_payload`` in-graph: this table's header with ``FLAG_NONFINITE`` and
@@ -409,8 +421,11 @@ class PackedExchange:
                 parts: int = 1, first_part: int = 0):
         """Encode ``flat`` (``parts`` equal chunks of ``numel``, streams ``first_part`` …) or, when
         it holds NaN/Inf, send non-finite markers of the same size instead (``codec`` module
-        docstring)."""
+        docstring). A bucket of finite values whose norm overflows float32 is sent as markers too
+        (``packed.protocol.first_unsendable``, docs/protocol.md §15)."""
         bad = tf.logical_not(tf.math.is_finite(flat))
+        if self.compression.quantizes:
+            bad = tf.logical_or(bad, self._unsendable(flat, numel, parts))
 
         def encode() -> tf.Tensor:
             chunks = [self._encode(flat[r * numel:(r + 1) * numel], numel, bucket.name, phase,
@@ -423,6 +438,23 @@ class PackedExchange:
             return tf.tile(self._marker(numel, first), [parts])
 
         return tf.cond(tf.reduce_any(bad), markers, encode)
+
+    def _unsendable(self, flat: tf.Tensor, numel: int, parts: int) -> tf.Tensor:
+        """Per element: whether it lies in a bucket whose norm (exact in float64) does not fit a
+        float32 — ``first_unsendable``'s rule in-graph. Only computed when some |x| exceeds
+        FLOAT32_MAX/√B, the smallest magnitude with which a bucket of B values can overflow."""
+        B = self.compression.bucket_size
+        nb = -(-numel // B)
+
+        def exact() -> tf.Tensor:
+            x = tf.pad(tf.reshape(tf.cast(flat, tf.float64), [parts, numel]),
+                       [[0, 0], [0, nb * B - numel]])
+            norms = tf.sqrt(tf.reduce_sum(tf.square(tf.reshape(x, [parts, nb, B])), axis=2))
+            over = tf.math.is_inf(tf.cast(norms, tf.float32))
+            return tf.reshape(tf.repeat(over, B, axis=1)[:, :numel], [-1])
+
+        risky = tf.reduce_max(tf.abs(flat)) > FLOAT32_MAX / math.sqrt(B)
+        return tf.cond(risky, exact, lambda: tf.zeros(tf.shape(flat), tf.bool))
 
     def _header_checks(self, rows: tf.Tensor, numel: int, check: bool) -> list:
         """DQSGD: the decoder's header check of every row of ``rows`` [P, size], done once
@@ -537,7 +569,7 @@ class PackedExchange:
             g = tensors[i]
             wire = tf.cast(g, tf.float16) if comp.fp16_wire else g
             out = hvd.allreduce(wire, op=hvd.Average,
-                                name=names.allreduce_name(self.prefix, plan.names[i]),
+                                name=names.allreduce_name(plan.content, plan.names[i]),
                                 ignore_name_scope=True, process_set=ps)
             small[i] = tf.cast(out, g.dtype)
         stage1 = list(first.values()) + list(small.values())
@@ -560,7 +592,14 @@ class PackedExchange:
             for b in plan.buckets:
                 if b.mode == "two_phase":
                     m = chunk_numel(b.numel, P, B)
-                    payload = self._submit(chunk_avgs[b.index], m, b, "reencode", first_part=P)
+                    # this rank's chunk ends in the zero padding of the bucket: the padding's
+                    # decoded average is noise that would inflate the re-encoded norm; send
+                    # exact zeros there (docs/protocol.md §15)
+                    valid = min(max(b.numel - ps.rank() * m, 0), m)
+                    avg = chunk_avgs[b.index]
+                    if valid < m:
+                        avg = tf.concat([avg[:valid], tf.zeros([m - valid], avg.dtype)], axis=0)
+                    payload = self._submit(avg, m, b, "reencode", first_part=P)
                     second[b.index] = hvd.allgather(payload, name=names.allgather_name(b.name),
                                                     ignore_name_scope=True, process_set=ps)
         # stage 3: check and decode (after every collective completed)

@@ -97,10 +97,14 @@ def begin_step_in_graph(compressor: Any) -> tf.Tensor:
 def _end_step(compressor: Any, process_set: hvd.ProcessSet | None) -> bool:
     """End the current step now (eager; also inside a py_function): refit when due, sync the
     graph's variables, record telemetry."""
+    state = tf_state(compressor)
+    if not hvd.is_initialized():   # one process without Horovod (compress called directly)
+        compressor.quantizer.advance_step()
+        state.sync()
+        return False
     process_set = process_set if process_set is not None else hvd.global_process_set
     if not process_set.included():
         return False
-    state = tf_state(compressor)
     if not state.in_sync:
         logger.warning("%s: its step or width changed outside refit() (a plain load_state_dict "
                        "between steps?); the recording flag, width or error-feedback memory of "

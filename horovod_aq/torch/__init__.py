@@ -26,7 +26,7 @@ _LAZY = {
     "QuantizedHookState": "horovod_aq.torch.ddp",
     "quantized_hook": "horovod_aq.torch.ddp",
 }
+_WITHOUT_HOROVOD = frozenset({"ConfigMismatchError", "QuantizedHookState", "quantized_hook"})
 __getattr__ = lazy_attributes(__name__, _LAZY, "horovod.torch", horovod_present=_hvd is not None,
-                              without_horovod=frozenset({"ConfigMismatchError", "QuantizedHookState",
-                                                         "quantized_hook"}))
+                              without_horovod=_WITHOUT_HOROVOD)
 __all__ = sorted(_LAZY)

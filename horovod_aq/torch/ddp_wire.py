@@ -27,6 +27,7 @@ same flags and acts alike. Errors found in a callback are kept on the unit and r
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from horovod_aq import codec
 from horovod_aq.codec.stream import StreamKey
 from horovod_aq.packed.cost import chunk_numel
 from horovod_aq.packed.plan import BucketPlan
-from horovod_aq.packed.protocol import nonfinite_message
+from horovod_aq.packed.protocol import FLOAT32_MAX, first_unsendable, nonfinite_message
 from horovod_aq.torch import kernels
 from horovod_aq.torch.dist_comm import all_gather_flat, group_or_world
 
@@ -118,6 +119,8 @@ class Wire:
         self.ranks = dist.get_world_size(self.group)
         #: The global rank keys the random stream, as on the Horovod paths (docs/format.md §6).
         self.rank = dist.get_rank()
+        #: The rank within the group: which two-phase chunk this rank averages.
+        self.group_rank = dist.get_rank(self.group)
 
     # ------------------------------------------------------------------ submission
     def submit(self, unit: Unit, raw: torch.Tensor) -> None:
@@ -132,6 +135,10 @@ class Wire:
             self._send_marker(unit, first_bad, raw.device)
             return
         x = ef.compensate(unit.name, raw) if ef is not None else raw      # g + α·h
+        bad = self._first_unsendable(x, unit)
+        if bad is not None:   # finite values whose bucket norm overflows float32: like NaN
+            self._send_marker(unit, bad, raw.device)
+            return
         if q.recording:
             q.record_stats(*kernels.bucket_moments(x, q.bucket_size),
                            histogram=kernels.normalized_histogram(x, q.bucket_size)
@@ -151,10 +158,31 @@ class Wire:
             ef.update(unit.name, raw, sent)
         self._all_to_all(unit, torch.cat(chunks))
 
+    def _first_unsendable(self, x: torch.Tensor, unit: Unit) -> int | None:
+        """The first element of a quantization bucket whose norm does not fit a float32
+        (``packed.protocol.first_unsendable``), or None. Only looked at when some |x| exceeds
+        FLOAT32_MAX/√B, the smallest magnitude with which a bucket can overflow."""
+        q = self.q
+        B = q.bucket_size
+        if not x.numel() or float(x.abs().max()) <= FLOAT32_MAX / math.sqrt(B):
+            return None
+        if unit.mode != "two_phase":
+            bad = first_unsendable(kernels.bucket_norms(x, B, q.norm).cpu().numpy())
+            return None if bad is None else bad * B
+        m = chunk_numel(unit.numel, self.ranks, B)
+        for k in range(self.ranks):
+            chunk = x[k * m:(k + 1) * m]
+            bad = first_unsendable(kernels.bucket_norms(chunk, B, q.norm).cpu().numpy()) \
+                if chunk.numel() else None
+            if bad is not None:
+                return k * m + bad * B
+        return None
+
     def _encode(self, x: torch.Tensor, unit: Unit, part: int) -> torch.Tensor:
         q = self.q
         key = StreamKey(q.seed, self.rank, q.step, unit.index, part)
-        return kernels.encode(x, unit.table, bucket_size=q.bucket_size, norm=q.norm, key=key)
+        return kernels.encode(x, unit.table, bucket_size=q.bucket_size, norm=q.norm, key=key,
+                              checksum=q.checksum)
 
     def _send_marker(self, unit: Unit, first_bad: int, device: torch.device) -> None:
         q, P = self.q, self.ranks
@@ -204,6 +232,9 @@ class Wire:
         m = chunk_numel(unit.numel, self.ranks, q.bucket_size)
         chunk = kernels.decode_average(rows, unit.table, numel=m, bucket_size=q.bucket_size,
                                        norm=q.norm)
+        # a chunk ending in the unit's zero padding: send exact zeros there, not the padding's
+        # decoded noise (it would inflate the re-encoded norm; docs/protocol.md §15)
+        chunk[min(max(unit.numel - self.group_rank * m, 0), m):] = 0.0
         self._all_gather(unit, self._encode(chunk, unit, self.ranks), "ag2")
 
     def _guarded(self, unit: Unit, gathered: torch.Tensor) -> None:

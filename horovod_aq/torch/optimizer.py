@@ -83,11 +83,14 @@ from horovod_aq.packed.protocol import (
     ConfigMismatchError,
     ExchangeSettings,
     ExchangeStalledError,
+    JoinedRankError,
     Traffic,
     check_compression,
     check_handshake,
     first_unsendable,
     handshake_vector,
+    joined_message,
+    joined_rows,
     nonfinite_message,
     plan_traffic,
     step_record,
@@ -479,12 +482,13 @@ class _PackedOptimizer(torch.optim.Optimizer):
         q = self._aq_q
         key = StreamKey(q.seed, self._aq_global_rank, q.step, bucket.index, part)
         started = time.perf_counter()
-        out = kernels.encode(x, q.table, bucket_size=q.bucket_size, norm=q.norm, key=key)
+        out = kernels.encode(x, q.table, bucket_size=q.bucket_size, norm=q.norm, key=key,
+                             checksum=q.checksum)
         self._aq_seconds["encode"] += time.perf_counter() - started
         return out
 
     def _aq_submit(self, bucket: _Bucket) -> None:
-        q, P, ef = self._aq_q, self._aq_ranks, self._aq_memory
+        q, ef = self._aq_q, self._aq_memory
         raw = bucket.buffer
         first_bad = kernels.first_nonfinite(raw)
         if first_bad is not None:   # send a marker of the same size: every rank learns of it
@@ -561,7 +565,13 @@ class _PackedOptimizer(torch.optim.Optimizer):
 
     def _aq_nonfinite(self, bucket: _Bucket, rows: torch.Tensor) -> bool:
         """Handle markers among gathered ``rows`` identically on every rank: raise naming the
-        rank and parameter, or (nonfinite="skip") fill the bucket with NaN and skip the step."""
+        rank and parameter, or (nonfinite="skip") fill the bucket with NaN and skip the step.
+        Rows of zeros (a rank that called ``hvd.join()``) raise :class:`JoinedRankError`."""
+        joined = joined_rows(rows[:, :len(codec.MAGIC)].cpu().numpy())
+        if joined:
+            collective = (names.alltoall_name if bucket.stage == "a2a"
+                          else names.allgather_name)(bucket.name)
+            raise JoinedRankError(joined_message(joined, collective))
         flags = rows[:, codec.FLAGS_OFFSET].cpu().numpy()
         bad_ranks = codec.nonfinite_rows(flags)
         if not bad_ranks:
@@ -613,6 +623,9 @@ class _PackedOptimizer(torch.optim.Optimizer):
                                      bucket.name).view(P, -1)
             if bucket.stage == "ag" and self._aq_nonfinite(bucket, gathered):
                 return
+            joined = joined_rows(gathered[:, :len(codec.MAGIC)].cpu().numpy())
+            if joined:   # two-phase, second phase
+                raise JoinedRankError(joined_message(joined, names.allgather_name(bucket.name)))
             if bucket.stage == "ag":
                 bucket.result = self._aq_decode(kernels.decode_average, bucket.split(gathered),
                                                 table)
@@ -1125,4 +1138,4 @@ def _check_exchange_args(*, exchange: str, fusion_bytes: int, small_tensor_thres
 
 
 __all__ = ["DistributedOptimizer", "ConfigMismatchError", "DEFAULT_FUSION_BYTES",
-           "BROADCAST_KEY", "ExchangeStalledError"]
+           "BROADCAST_KEY", "ExchangeStalledError", "JoinedRankError"]
