@@ -92,3 +92,31 @@ class EncodeRecorder:
         cls = self.mod._PackedOptimizer
         cls._aq_encode, cls._aq_submit, cls._aq_progress = self._saved
         return False
+
+
+class ChecksumFlags:
+    """Within ``with``: record whether each payload ``horovod_aq.torch.kernels.encode`` writes
+    carries ``FLAG_CHECKSUM``; ``seen()`` gives the distinct flag values (``[0]``: none did,
+    ``[FLAG_CHECKSUM]``: all did)."""
+
+    def __enter__(self):
+        from horovod_aq import codec
+        from horovod_aq.torch import kernels
+
+        self._kernels, self._encode, self.flags = kernels, kernels.encode, []
+        encode = self._encode
+
+        def recorded(*args, **kwargs):
+            out = encode(*args, **kwargs)
+            self.flags.append(int(out[codec.FLAGS_OFFSET]) & codec.FLAG_CHECKSUM)
+            return out
+
+        kernels.encode = recorded
+        return self
+
+    def __exit__(self, *exc):
+        self._kernels.encode = self._encode
+        return False
+
+    def seen(self) -> list[int]:
+        return sorted(set(self.flags))

@@ -366,25 +366,14 @@ def torch_full_like(g, value):
 def checksum_exchange(steps=3, exchange="auto"):
     """checksum=True: every payload carries FLAG_CHECKSUM and a CRC the decoders verify; the
     training is bitwise the one without (the CRC changes no decoded value)."""
-    from horovod_aq.torch import kernels
-
-    flags, encode = [], kernels.encode
-
-    def recorded(*args, **kwargs):
-        out = encode(*args, **kwargs)
-        flags.append(int(out[codec.FLAGS_OFFSET]) & codec.FLAG_CHECKSUM)
-        return out
+    from tests.ranks import ChecksumFlags
 
     out = {}
     for checksum in (False, True):
         model, net, comp, state, opt = _setup(exchange=exchange, checksum=checksum)
-        flags.clear()
-        kernels.encode = recorded
-        try:
+        with ChecksumFlags() as flags:
             _train(net, opt, steps)
-        finally:
-            kernels.encode = encode
-        out[checksum] = {"params": _params(model), "flags": sorted(set(flags))}
+        out[checksum] = {"params": _params(model), "flags": flags.seen()}
     return out
 
 

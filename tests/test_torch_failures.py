@@ -323,16 +323,7 @@ def checksummed_exchange():
     verify it, and training is bitwise the one without (allgather and two-phase)."""
     torch, hvd = init_torch()
     import horovod_aq.torch as aqt
-    from horovod_aq import codec
-    from horovod_aq.torch import kernels
-    from tests.ranks import tiny_model
-
-    flags, encode = [], kernels.encode
-
-    def recorded(*args, **kwargs):
-        out = encode(*args, **kwargs)
-        flags.append(int(out[codec.FLAGS_OFFSET]) & codec.FLAG_CHECKSUM)
-        return out
+    from tests.ranks import ChecksumFlags, tiny_model
 
     out = {}
     for exchange in ("allgather", "two_phase"):
@@ -342,17 +333,13 @@ def checksummed_exchange():
                                            model.named_parameters(),
                                            _qsgd(bucket_size=64, checksum=checksum),
                                            exchange=exchange)
-            flags.clear()
-            kernels.encode = recorded
-            try:
+            with ChecksumFlags() as flags:
                 for step in range(2):
                     opt.zero_grad()
                     gen = torch.Generator().manual_seed(10 * step + hvd.rank())
                     model(torch.randn(8, 20, generator=gen)).square().mean().backward()
                     opt.step()
-            finally:
-                kernels.encode = encode
-            out[(exchange, checksum)] = {"flags": sorted(set(flags)), "weights": [
+            out[(exchange, checksum)] = {"flags": flags.seen(), "weights": [
                 p.detach().numpy().copy() for p in model.parameters()]}
     return out
 
