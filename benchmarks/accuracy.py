@@ -14,8 +14,9 @@ batch 128), SGD with momentum 0.9, learning rate ``--lr`` constant, for ``--epoc
 bits, ALQ at 2 bits with the paper's L2 bucket norm ("(L2)") and at 3 bits with L∞ ("(L∞)"): the
 adaptive methods' default is L∞ up to 2 bits and L2 from 3 bits, docs/quantizers.md §5.6.
 **Every configuration, fp32 and fp16 included, runs through the packed optimizer**
-``horovod_aq.torch.DistributedOptimizer`` (exchange="auto"): quantizers send bit-packed codes, fp32 and fp16 go through its named Horovod allreduce (``horovod_aq.NoCompression``
-/ ``horovod_aq.FP16``), so all rows share one code path and one telemetry (bits per coordinate,
+``horovod_aq.torch.DistributedOptimizer`` (exchange="auto"): quantizers send bit-packed codes,
+fp32 and fp16 go through its named Horovod allreduce (``horovod_aq.NoCompression`` /
+``horovod_aq.FP16``), so all rows share one code path and one telemetry (bits per coordinate,
 bytes sent per step). Every quantizer uses the same bucket size ``--bucket-size`` (default 1024, the
 package's default for the adaptive methods and close to the fixed methods' 512; the ALQ paper used
 8192 — ``variance.py`` measures both, and ``--bucket-size 8192`` reruns this at the paper's

@@ -4,10 +4,11 @@
         --compression alq --bits 3 --epochs 5 --out runs/keras_alq3
 
 ``horovod_aq.keras.DistributedOptimizer`` averages gradients with the packed exchange inside
-Keras' compiled train step; the callbacks broadcast rank 0's initial weights, average the epoch
-metrics over ranks and end every step (refits, telemetry). Data, flags and reports are those of
-``pytorch_mnist.py``. Horovod's own Keras optimizer does not average under Keras 3 (Keras 3's
-trainer never calls the hooks it overrides; it needs tf_keras, ``TF_USE_LEGACY_KERAS=1``), so
+Keras' compiled train step, where each step also ends (refits when due, telemetry); the
+callbacks broadcast rank 0's initial weights and average the epoch metrics over ranks. Data,
+flags and reports are those of ``pytorch_mnist.py``. Horovod's own Keras optimizer does not
+average under Keras 3 (Keras 3's trainer never calls the hooks it overrides; it needs tf_keras,
+``TF_USE_LEGACY_KERAS=1``), so
 ``--exchange stock`` is not offered here: ``tensorflow_mnist.py --exchange stock`` runs Horovod's
 own tape on the same model.
 """
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
                          test_data, steps, rank)
     model.fit(xs, ys, batch_size=args.batch_size, epochs=args.epochs, shuffle=True, verbose=0,
               callbacks=[aqk.BroadcastGlobalVariablesCallback(0), aqk.MetricAverageCallback(),
-                         aqk.RefitCallback(optimizer), report])
+                         report])
 
     result = common.summary(args, report.history, telemetry, compression, size)
     if rank == 0:

@@ -5,11 +5,11 @@
 
 The training step runs inside ``tf.function`` with ``horovod_aq.tensorflow.DistributedGradientTape``
 (packed exchange) — or Horovod's own ``hvd.DistributedGradientTape`` with ``--exchange stock``
-(fp16 wire). Steps end by themselves (adaptive refits, telemetry); the explicit
-``horovod_aq.tensorflow.refit`` after each step is optional. Horovod's tape keys its sources by
-``Variable.ref()``, which Keras 3 variables lack: importing ``horovod_aq.tensorflow.compat``
-gives them one, so ``--exchange stock`` trains this Keras 3 model with Horovod's own tape. Data,
-flags and reports are those of ``pytorch_mnist.py``.
+(fp16 wire). Steps end by themselves (adaptive refits, telemetry): no refit call is needed.
+Horovod's tape keys its sources by ``Variable.ref()``, which Keras 3 variables lack: importing
+``horovod_aq.tensorflow`` (its ``compat`` module) gives them one, so ``--exchange stock`` trains
+this Keras 3 model with Horovod's own tape. Data, flags and reports are those of
+``pytorch_mnist.py``.
 """
 
 from __future__ import annotations
@@ -115,7 +115,6 @@ def main(argv: list[str] | None = None) -> dict:
         for i in common.progress(range(steps_per_epoch), show, f"epoch {epoch}"):
             idx = order[i * args.batch_size:(i + 1) * args.batch_size]
             losses.append(float(train_step(tf.constant(xs[idx]), tf.constant(ys[idx]))))
-            aqtf.refit(compression)
         train_loss = float(hvd.allreduce(tf.constant(np.mean(losses)), name="metric.loss"))
         logits = model(xt, training=False)
         test_loss = float(loss_fn(yt, logits))
