@@ -566,3 +566,15 @@ def test_joined_rows_are_rows_without_the_magic():
     assert joined_rows(np.array([[65, 81], [0, 0], [65, 81]], dtype=np.uint8)) == [1]
     assert joined_rows(np.array([[65, 81]], dtype=np.uint8)) == []
     assert "rank(s) 1, 2 called hvd.join()" in joined_message([1, 2], "aq.ag.x")
+
+
+def test_norm_may_overflow_bounds_the_exact_check():
+    import math
+
+    from horovod_aq.packed.protocol import FLOAT32_MAX, first_unsendable, norm_may_overflow
+
+    B = 64
+    edge = FLOAT32_MAX / math.sqrt(B)
+    assert not norm_may_overflow(edge, B) and norm_may_overflow(edge * 1.01, B)
+    # at the bound every value equal: the norm is exactly FLOAT32_MAX, still sendable
+    assert first_unsendable([math.sqrt(B) * edge * 0.999]) is None

@@ -19,6 +19,7 @@ Both integrations (``horovod_aq.torch.DistributedOptimizer``, the TensorFlow
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -251,6 +252,14 @@ def first_unsendable(norms: Any) -> int | None:
     with np.errstate(over="ignore", invalid="ignore"):
         bad = ~np.isfinite(values.astype(np.float32))
     return int(np.argmax(bad)) if bad.any() else None
+
+
+def norm_may_overflow(peak: Any, bucket_size: int) -> Any:
+    """Whether a bucket of ``bucket_size`` values, the largest of magnitude ``peak``, can have a
+    norm past ``FLOAT32_MAX`` (‖v‖ ≤ √B·max|v_i|). Below this bound :func:`first_unsendable`
+    need not be computed. ``peak`` may be a float or a framework scalar tensor (the comparison
+    is then a tensor)."""
+    return peak > FLOAT32_MAX / math.sqrt(bucket_size)
 
 
 def bucket_sendable(norms: Any) -> bool:

@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,13 +48,13 @@ from horovod_aq.packed.plan import (
     plan_buckets,
 )
 from horovod_aq.packed.protocol import (
-    FLOAT32_MAX,
     ExchangeSettings,
     Traffic,
     check_compression,
     check_handshake,
     handshake_vector,
     nonfinite_pieces,
+    norm_may_overflow,
     plan_traffic,
     step_record,
 )
@@ -441,8 +440,8 @@ class PackedExchange:
 
     def _unsendable(self, flat: tf.Tensor, numel: int, parts: int) -> tf.Tensor:
         """Per element: whether it lies in a bucket whose norm (exact in float64) does not fit a
-        float32 — ``first_unsendable``'s rule in-graph. Only computed when some |x| exceeds
-        FLOAT32_MAX/√B, the smallest magnitude with which a bucket of B values can overflow."""
+        float32 — ``first_unsendable``'s rule in-graph. Only computed when
+        ``norm_may_overflow``."""
         B = self.compression.bucket_size
         nb = -(-numel // B)
 
@@ -453,7 +452,7 @@ class PackedExchange:
             over = tf.math.is_inf(tf.cast(norms, tf.float32))
             return tf.reshape(tf.repeat(over, B, axis=1)[:, :numel], [-1])
 
-        risky = tf.reduce_max(tf.abs(flat)) > FLOAT32_MAX / math.sqrt(B)
+        risky = norm_may_overflow(tf.reduce_max(tf.abs(flat)), B)
         return tf.cond(risky, exact, lambda: tf.zeros(tf.shape(flat), tf.bool))
 
     def _header_checks(self, rows: tf.Tensor, numel: int, check: bool) -> list:

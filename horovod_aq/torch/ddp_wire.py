@@ -27,7 +27,6 @@ same flags and acts alike. Errors found in a callback are kept on the unit and r
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ from horovod_aq import codec
 from horovod_aq.codec.stream import StreamKey
 from horovod_aq.packed.cost import chunk_numel
 from horovod_aq.packed.plan import BucketPlan
-from horovod_aq.packed.protocol import FLOAT32_MAX, first_unsendable, nonfinite_message
+from horovod_aq.packed.protocol import first_unsendable, nonfinite_message, norm_may_overflow
 from horovod_aq.torch import kernels
 from horovod_aq.torch.dist_comm import all_gather_flat, group_or_world
 
@@ -160,11 +159,11 @@ class Wire:
 
     def _first_unsendable(self, x: torch.Tensor, unit: Unit) -> int | None:
         """The first element of a quantization bucket whose norm does not fit a float32
-        (``packed.protocol.first_unsendable``), or None. Only looked at when some |x| exceeds
-        FLOAT32_MAX/√B, the smallest magnitude with which a bucket can overflow."""
+        (``packed.protocol.first_unsendable``), or None. Only looked at when
+        ``norm_may_overflow``."""
         q = self.q
         B = q.bucket_size
-        if not x.numel() or float(x.abs().max()) <= FLOAT32_MAX / math.sqrt(B):
+        if not x.numel() or not norm_may_overflow(float(x.abs().max()), B):
             return None
         if unit.mode != "two_phase":
             bad = first_unsendable(kernels.bucket_norms(x, B, q.norm).cpu().numpy())
