@@ -241,6 +241,7 @@ def _worker(rank: int, cfg: dict) -> None:
                             world_size=cfg["procs"],
                             timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
     from benchmarks.models import SmallCNN
+    from horovod_aq.torch.process_exit import destroy_and_exit
 
     shapes = [tuple(p.shape) for p in SmallCNN().parameters()]
     runs = [("fp32", _train(cfg, "fp32"))]
@@ -260,7 +261,7 @@ def _worker(rank: int, cfg: dict) -> None:
         runs.append((f"PowerSGD r={k}", r))
     if rank == 0:
         Path(cfg["result"]).write_text(json.dumps(runs))
-    dist.destroy_process_group()
+    destroy_and_exit()     # not a normal return: PyTorch's Gloo shutdown race, docs/ddp.md §6
 
 
 # ============================================================================ driver

@@ -288,8 +288,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
+        from horovod_aq.torch.process_exit import destroy_and_exit
+
         worker(json.loads(Path(args.worker).read_text()))
-        return 0
+        destroy_and_exit()     # PyTorch's Gloo shutdown race, docs/ddp.md §6
     from benchmarks import netns
     from benchmarks.cluster import wait_for_quiet
     from benchmarks.models import CLUSTER_MLP

@@ -170,6 +170,8 @@ def rank_main(rank, world, port, args, outdir):
     import torch
     import torch.distributed as dist
 
+    from horovod_aq.torch.process_exit import destroy_and_exit
+
     torch.set_num_threads(1)
     if args.dry_run:
         device = torch.device("cpu")
@@ -203,7 +205,7 @@ def rank_main(rank, world, port, args, outdir):
 
         with open(os.path.join(outdir, "outcomes.pkl"), "wb") as f:
             pickle.dump(gathered, f)
-    dist.destroy_process_group()
+    destroy_and_exit()     # not a normal return: PyTorch's Gloo shutdown race, docs/ddp.md §6
 
 
 # ---------------------------------------------------------------- the oracle (driver)

@@ -106,3 +106,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    aqddp.destroy_and_exit()   # PyTorch's Gloo shutdown race at exit: docs/ddp.md §6

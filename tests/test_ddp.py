@@ -56,6 +56,8 @@ def _rank_main(rank: int, world: int, port: int, checks: list, outdir: str) -> N
     import torch
     import torch.distributed as dist
 
+    from horovod_aq.torch.process_exit import destroy_and_exit
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=90))
@@ -69,7 +71,7 @@ def _rank_main(rank: int, world: int, port: int, checks: list, outdir: str) -> N
         outcomes[name] += (time.monotonic() - started,)
         with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(outcomes, f)
-    dist.destroy_process_group()
+    destroy_and_exit()     # not a normal return: PyTorch's Gloo shutdown race, docs/ddp.md §6
 
 
 def launch(checks: list, world: int) -> dict:

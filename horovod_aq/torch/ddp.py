@@ -62,6 +62,7 @@ from horovod_aq.packed.protocol import (
 from horovod_aq.telemetry import Telemetry
 from horovod_aq.torch.ddp_wire import ALLREDUCE, Unit, Wire
 from horovod_aq.torch.dist_comm import DistComm, allgather_rows, group_or_world
+from horovod_aq.torch.process_exit import destroy_and_exit
 
 logger = logging.getLogger(__name__)
 
@@ -347,4 +348,5 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compression: Any,
     return state
 
 
-__all__ = ["ConfigMismatchError", "QuantizedHookState", "quantized_hook", "register"]
+__all__ = ["ConfigMismatchError", "QuantizedHookState", "destroy_and_exit", "quantized_hook",
+           "register"]
