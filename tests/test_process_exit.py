@@ -16,6 +16,8 @@ SCRIPT = textwrap.dedent("""
     t = torch.ones(3)
     dist.all_reduce(t)
     atexit.register(lambda: print("atexit ran"))
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda: (sys.stderr.write("destroyed; "), destroy())
     print("sum", float(t.sum()), "initialized", dist.is_initialized(), end="")   # no newline
     sys.stderr.write("to stderr")
     destroy_and_exit({code})
@@ -33,7 +35,7 @@ def test_exit_status_flush_and_nothing_after():
         proc = _run(code)
         assert proc.returncode == code, proc.stderr[-2000:]
         assert proc.stdout == "sum 3.0 initialized True", proc.stdout
-        assert proc.stderr.endswith("to stderr"), proc.stderr[-2000:]
+        assert proc.stderr.endswith("to stderrdestroyed; "), proc.stderr[-2000:]
 
 
 def test_without_a_group():
