@@ -50,73 +50,39 @@ def tiny_model(torch, seed: int = 0, sizes=(20, 64, 10)):
 
 
 class EncodeRecorder:
-    """Record every payload the packed torch optimizer encodes, with its bucket and phase.
+    """Record every payload a packed torch exchange encodes, through the engine's public tap
+    (``Wire.tap``): from construction on, or within ``with``.
 
     Phases: "submit" (allgather payload, or one of the P two-phase chunks in order) and "reencode"
-    (the two-phase averaged chunk). Entries are (bucket name, phase, input ndarray,
-    payload ndarray).
+    (the two-phase averaged chunk, stream part P). Entries are (bucket name, phase, input
+    ndarray, payload ndarray).
     """
 
-    def __init__(self):
-        from horovod_aq.torch import optimizer as opt_mod
-
-        self.mod = opt_mod
+    def __init__(self, wire):
+        self.wire = wire
         self.entries = []
-        self._context = None
+        wire.tap = self._tap
+
+    def _tap(self, bucket, part, values, payload):
+        phase = "reencode" if bucket.mode == "two_phase" and part == self.wire.ranks else "submit"
+        self.entries.append((bucket.name, phase, values.detach().cpu().numpy().copy(),
+                             payload.detach().cpu().numpy().copy()))
 
     def __enter__(self):
-        cls = self.mod._PackedOptimizer
-        self._saved = (cls._aq_encode, cls._aq_submit, cls._aq_progress)
-        enc, sub, prog = self._saved
-        rec = self
-
-        def _aq_encode(opt, x, *args):
-            out = enc(opt, x, *args)
-            name, phase = rec._context
-            rec.entries.append((name, phase, x.detach().cpu().numpy().copy(),
-                                out.detach().cpu().numpy().copy()))
-            return out
-
-        def _aq_submit(opt, bucket):
-            rec._context = (bucket.name, "submit")
-            return sub(opt, bucket)
-
-        def _aq_progress(opt, bucket):
-            rec._context = (bucket.name, "reencode")
-            return prog(opt, bucket)
-
-        cls._aq_encode, cls._aq_submit, cls._aq_progress = _aq_encode, _aq_submit, _aq_progress
         return self
 
     def __exit__(self, *exc):
-        cls = self.mod._PackedOptimizer
-        cls._aq_encode, cls._aq_submit, cls._aq_progress = self._saved
+        self.wire.tap = None
         return False
 
 
-class ChecksumFlags:
-    """Within ``with``: record whether each payload ``horovod_aq.torch.kernels.encode`` writes
-    carries ``FLAG_CHECKSUM``; ``seen()`` gives the distinct flag values (``[0]``: none did,
+class ChecksumFlags(EncodeRecorder):
+    """Within ``with``: whether each payload the engine ``wire`` encodes carries
+    ``FLAG_CHECKSUM``; ``seen()`` gives the distinct flag values (``[0]``: none did,
     ``[FLAG_CHECKSUM]``: all did)."""
 
-    def __enter__(self):
-        from horovod_aq import codec
-        from horovod_aq.torch import kernels
-
-        self._kernels, self._encode, self.flags = kernels, kernels.encode, []
-        encode = self._encode
-
-        def recorded(*args, **kwargs):
-            out = encode(*args, **kwargs)
-            self.flags.append(int(out[codec.FLAGS_OFFSET]) & codec.FLAG_CHECKSUM)
-            return out
-
-        kernels.encode = recorded
-        return self
-
-    def __exit__(self, *exc):
-        self._kernels.encode = self._encode
-        return False
-
     def seen(self) -> list[int]:
-        return sorted(set(self.flags))
+        from horovod_aq import codec
+
+        return sorted({int(payload[codec.FLAGS_OFFSET]) & codec.FLAG_CHECKSUM
+                       for _, _, _, payload in self.entries})

@@ -180,17 +180,25 @@ def _grads(model):
 
 
 def _record_submits(state, log):
-    """Wrap the hook's ``Wire.submit`` to log every unit's raw input with its table and step."""
-    wire, submit = state.wire, state.wire.submit
-    q = wire.q
+    """Log, through the engine's public tap, every unit's input (the concatenation of the parts
+    it encoded, without the two-phase padding) with its table and step."""
+    q, P = state.compression.quantizer, state.ranks
+    parts_of = {}
 
-    def recorded(unit, raw):
+    def tap(unit, part, values, payload):
+        parts = 1 if unit.mode == "allgather" else P
+        if part >= parts:          # the re-encoded two-phase chunk
+            return
+        got = parts_of.setdefault(unit.name, [])
+        got.append(values.detach().cpu().numpy().copy())
+        if len(got) < parts:
+            return
+        del parts_of[unit.name]
         log.append({"index": unit.index, "name": unit.name, "mode": unit.mode,
-                    "names": list(unit.names), "raw": raw.detach().numpy().copy(),
+                    "names": list(unit.names), "raw": np.concatenate(got)[:unit.numel],
                     "levels": q.table.levels.copy(), "version": q.table.version,
                     "step": q.step, "bits": q.table.bits, "norm": q.norm})
-        submit(unit, raw)
-    wire.submit = recorded
+    state.wire.tap = tap
 
 
 # ---------------------------------------------------------------- checks (inside the ranks)
@@ -289,13 +297,11 @@ def resume(k=3, m=4, **setup):
     opt2.load_state_dict(saved["opt"])
     state2.load_state_dict(saved["hook"])
     first_units = []
-    orig = state2.wire.submit
 
-    def submit(unit, raw):
-        if len(first_units) < 100:
+    def tap(unit, part, values, payload):
+        if part == 0 and len(first_units) < 100:
             first_units.append(unit.name)
-        orig(unit, raw)
-    state2.wire.submit = submit
+    state2.wire.tap = tap
     resumed_losses = _train(net2, opt2, m, first=k)
     return {"straight": straight, "resumed": _params(model2), "layout": layout_saved,
             "first_units": first_units, "versions": (comp.quantizer.table.version,
@@ -373,7 +379,7 @@ def checksum_exchange(steps=3, exchange="auto"):
     out = {}
     for checksum in (False, True):
         model, net, comp, state, opt = _setup(exchange=exchange, checksum=checksum)
-        with ChecksumFlags() as flags:
+        with ChecksumFlags(state.wire) as flags:
             _train(net, opt, steps)
         out[checksum] = {"params": _params(model), "flags": flags.seen()}
     return out
@@ -603,3 +609,49 @@ def test_checksum_exchange(results, check):
 def test_overflowing_norm_is_a_marker_on_every_rank(results, check):
     for message in _get(results, check):
         assert message.startswith("NonFiniteGradientError") and "rank 1" in message, message
+
+
+# ---------------------------------------------------------------- a lazy state (one process)
+LAZY_SCRIPT = r"""
+import os, sys, tempfile
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import horovod_aq
+from horovod_aq.torch import ddp as aqddp
+from horovod_aq.torch.process_exit import destroy_and_exit
+
+torch.set_num_threads(1)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+# built before init_process_group, as Lightning's DDPStrategy(ddp_comm_state=...) does
+state = aqddp.QuantizedHookState(horovod_aq.ALQ(bits=3, bucket_size=16, schedule="0"),
+                                 named_parameters=model.named_parameters())
+try:
+    state.process_group
+    print("no error before init")
+except RuntimeError as exc:
+    print("before init:", "init_process_group" in str(exc))
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+net = DDP(model)
+net.register_comm_hook(state, aqddp.quantized_hook)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(2):
+    opt.zero_grad()
+    net(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+print("steps", state.compression.step, "ranks", state.ranks,
+      "records", len(state.telemetry.history))
+destroy_and_exit()
+"""
+
+
+def test_hook_state_is_built_before_the_process_group(tmp_path):
+    """Like PowerSGDState, the hook state resolves its process group at the first bucket: it can
+    be built before ``init_process_group`` and then trains (one Gloo process)."""
+    env = dict(os.environ, **RANK_ENV, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", LAZY_SCRIPT, str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "before init: True" in proc.stdout
+    assert "steps 2 ranks 1 records 2" in proc.stdout, proc.stdout

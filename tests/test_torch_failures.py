@@ -333,7 +333,7 @@ def checksummed_exchange():
                                            model.named_parameters(),
                                            _qsgd(bucket_size=64, checksum=checksum),
                                            exchange=exchange)
-            with ChecksumFlags() as flags:
+            with ChecksumFlags(opt.wire) as flags:
                 for step in range(2):
                     opt.zero_grad()
                     gen = torch.Generator().manual_seed(10 * step + hvd.rank())

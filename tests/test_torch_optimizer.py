@@ -51,8 +51,8 @@ def oracle_step(exchange: str, bpps: int = 1):
     torch, hvd = init_torch()
     import torch.nn.functional as F
 
-    with EncodeRecorder() as rec:
-        model, comp, opt = _make(torch, hvd, exchange=exchange, bpps=bpps)
+    model, comp, opt = _make(torch, hvd, exchange=exchange, bpps=bpps)
+    rec = EncodeRecorder(opt.wire)
     local = None
     for k in range(bpps):
         x, y = _batch(torch, hvd.rank(), step=k)
@@ -252,8 +252,8 @@ def process_sets_split():
     sets = [hvd.add_process_set([0, 1]), hvd.add_process_set([2, 3])]
     mine = sets[hvd.rank() // 2]
     try:
-        with EncodeRecorder() as rec:
-            model, comp, opt = _make(torch, hvd, process_set=mine)
+        model, comp, opt = _make(torch, hvd, process_set=mine)
+        rec = EncodeRecorder(opt.wire)
         x, y = _batch(torch, hvd.rank())
         F.cross_entropy(model(x), y).backward()
         opt.synchronize()
@@ -277,9 +277,9 @@ def dqsgd_bits_agree(steps: int = 25):
     model = tiny_model(torch, 0)
     comp = horovod_aq.DQSGD(target_bits=3.0, min_bits=2, max_bits=6, bucket_size=BUCKET,
                             window=5)
-    with EncodeRecorder() as rec:
-        opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                       model.named_parameters(), comp, fusion_bytes=FUSION_BYTES)
+    opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   model.named_parameters(), comp, fusion_bytes=FUSION_BYTES)
+    rec = EncodeRecorder(opt.wire)
     step_bits, header_bits = [], []
     for step in range(steps):
         n_before = len(rec.entries)
@@ -305,10 +305,10 @@ def ecq_packed():
     model = tiny_model(torch, 0)
     comp = horovod_aq.ErrorFeedback(horovod_aq.QSGD(bits=2, bucket_size=BUCKET, seed=7),
                                     alpha=0.3, beta=0.8)
-    with EncodeRecorder() as rec:
-        opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
-                                       model.named_parameters(), comp, exchange="allgather",
-                                       fusion_bytes=FUSION_BYTES)
+    opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   model.named_parameters(), comp, exchange="allgather",
+                                   fusion_bytes=FUSION_BYTES)
+    rec = EncodeRecorder(opt.wire)
     grads = []
     for step in range(3):
         x, y = _batch(torch, hvd.rank(), step=step)

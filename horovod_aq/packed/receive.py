@@ -4,7 +4,8 @@ Every rank of an allgather (or, for its own chunk, of a two-phase alltoall) hold
 so every rank reaches the same outcome from their headers alone (docs/protocol.md §4, §15):
 
 1. **Joined ranks.** A row that does not start with the payload magic is a rank that called
-   ``hvd.join()`` (Horovod sends zeros in its place): :class:`JoinedRankError` naming those ranks (only where the collectives zero-fill joined ranks).
+   ``hvd.join()`` (Horovod sends zeros in its place): :class:`JoinedRankError` naming those
+   ranks (only where the collectives zero-fill joined ranks).
 2. **Markers.** Rows whose flags byte has ``FLAG_NONFINITE`` are non-finite markers
    (:mod:`horovod_aq.packed.marker`). None: :data:`OK`, decode. With ``nonfinite="skip"``:
    :data:`SKIP`, the bucket's result is NaN and the step is skipped on every rank. Otherwise

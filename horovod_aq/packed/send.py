@@ -80,18 +80,19 @@ def send_bucket(raw: Any, steps: SendSteps,
 def first_bad_element(raw: Any, x: Any, *, first_nonfinite: Callable[[Any], int | None],
                       peak: Callable[[Any], float], norms: Callable[[Any], Any],
                       bucket_size: int) -> int | None:
-    """Step 2 eagerly: the first NaN/±Inf of g; else, when x (g + α·h) is not finite, its first
-    NaN/±Inf; else the first element of the first quantization bucket of x whose norm does not
-    fit a float32. ``peak(x)`` = max|x_i| (NaN or inf when x is not finite; 0 for no elements):
-    only when it may overflow (``norm_may_overflow``) are the per-bucket ``norms(x)`` computed
-    (numpy, float32 or float64). Two-phase chunks are whole quantization buckets, so the
-    buckets of x are those of its chunks and the element is the same."""
-    bad = first_nonfinite(raw)
-    if bad is not None:
-        return bad
+    """Step 2 eagerly: the first NaN/±Inf of g, else of x (g + α·h), else the first element of
+    the first quantization bucket of x whose norm does not fit a float32; None if all travel.
+
+    One pass in the common case: ``peak(x)`` = max|x_i| (NaN or inf when x is not finite — and x
+    is finite only if g is; 0 for no elements). Only a non-finite peak pays for
+    ``first_nonfinite``, and only a peak that may overflow (``norm_may_overflow``) for the
+    per-bucket ``norms(x)`` (numpy, float32 or float64). Two-phase chunks are whole
+    quantization buckets, so the buckets of x are those of its chunks and the element is the
+    same."""
     top = peak(x)
     if not math.isfinite(top):
-        return first_nonfinite(x)
+        bad = first_nonfinite(raw)
+        return bad if bad is not None else first_nonfinite(x)
     if norm_may_overflow(top, bucket_size):
         j = first_unsendable(norms(x))
         return None if j is None else j * bucket_size
@@ -111,4 +112,5 @@ def reencode_part(ranks: int) -> int:
     return ranks
 
 
-__all__ = ["SendSteps", "first_bad_element", "python_branch", "reencode_part", "send_bucket", "sent_values"]
+__all__ = ["SendSteps", "first_bad_element", "python_branch", "reencode_part", "send_bucket",
+           "sent_values"]

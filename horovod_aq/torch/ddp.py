@@ -7,33 +7,36 @@
     ddp_model.register_comm_hook(state, horovod_aq.torch.ddp.quantized_hook)
     # or: state = horovod_aq.torch.ddp.register(ddp_model, horovod_aq.ALQ(bits=3))
 
-An explicit state object and a stateless hook, as PyTorch's PowerSGD hook. The hook encodes
-each ``GradBucket``'s flat buffer with the packed kernels and exchanges the payloads over
-``torch.distributed`` (:mod:`horovod_aq.torch.ddp_wire`: allgather, or the two-phase exchange,
-per bucket by the cost model of :mod:`horovod_aq.packed.cost`). It returns the average, bitwise
+An explicit state object and a stateless hook, as PyTorch's PowerSGD hook; like
+``PowerSGDState`` the state is lazy: the process group and everything that depends on it are
+resolved at the first bucket, so the state can be built before ``init_process_group`` (e.g. by
+Lightning's ``DDPStrategy(ddp_comm_state=...)``). The hook encodes each ``GradBucket``'s flat
+buffer with the packed kernels and exchanges the payloads over ``torch.distributed`` — the one
+torch wire engine (:class:`horovod_aq.torch.wire.Wire`) over
+:class:`~horovod_aq.torch.dist_comm.DistCollectives`: allgather, or the two-phase exchange, per
+bucket by the cost model of :mod:`horovod_aq.packed.cost`. It returns the average, bitwise
 identical on every rank. docs/ddp.md describes the use; the protocol is docs/protocol.md's:
 
-* **Steps.** DDP has no step hook. It calls the hook once per bucket, in index order, and
-  ``bucket.is_last()`` marks the last bucket of a backward pass. There the hook finishes every
-  bucket of the step (DDP waits for them right after), feeds the averages to the compressor in
-  bucket order (DQSGD's next width), and calls ``compressor.end_step(comm)`` with a
-  :class:`~horovod_aq.torch.dist_comm.DistComm`: refits run on schedule (statistics are recorded
-  while ``compressor.recording``; gather → fit on rank 0 → broadcast, §2), and the new table is
-  used from the next step.
-* **Handshake** (§3). Before the first exchange of every bucket layout (the first bucket, each
-  bucket DDP rebuilds after the first iteration, and again after :meth:`load_state_dict`) the
-  ranks allgather :func:`~horovod_aq.packed.protocol.handshake_vector` (settings, table version
-  and hash, step, bucket digest incl. its exchange mode, ranks); any difference raises the same
-  :class:`~horovod_aq.packed.protocol.ConfigMismatchError` on every rank. Afterwards every
-  payload header carries the table version and hash, and decoding refuses a mismatch.
-* **Non-finite gradients** (§4): markers instead of payloads; every rank raises
-  :class:`~horovod_aq.codec.NonFiniteGradientError` naming the rank and parameter, or with
-  ``nonfinite="skip"`` every rank gets NaN for the bucket (:attr:`QuantizedHookState.skipped`).
-* **Checkpoints** (§7): :meth:`QuantizedHookState.state_dict` holds the compressor's state
-  (tables, step, DQSGD rule, error memory — collective with ``ErrorFeedback``) and the bucket
-  layout. DDP restarts with one bucket of every parameter and rebuilds its buckets after the
-  first iteration; after :meth:`~QuantizedHookState.load_state_dict` the hook exchanges the saved
-  buckets inside DDP's initial one, so a resumed run is bit-identical to an uninterrupted one.
+1. **Steps.** DDP has no step hook. It calls the hook once per bucket, in index order, and
+   ``bucket.is_last()`` marks the last bucket of a backward pass. There the hook finishes every
+   bucket of the step (DDP waits for them right after), feeds the averages to the compressor in
+   bucket order (DQSGD's next width), and calls ``compressor.end_step(comm)`` on the state's one
+   :class:`~horovod_aq.torch.dist_comm.DistComm`: refits run on schedule (gather → fit on rank
+   0 → broadcast, §2), and the new table is used from the next step.
+2. **Handshake** (§3). Before the first exchange of every bucket layout (the first bucket, each
+   bucket DDP rebuilds after the first iteration, and again after :meth:`load_state_dict`) the
+   ranks compare settings, table, step and the bucket digest
+   (``packed.protocol.handshake``); any difference raises the same
+   :class:`~horovod_aq.packed.protocol.ConfigMismatchError` on every rank.
+3. **Non-finite gradients** (§4): markers instead of payloads; every rank raises
+   :class:`~horovod_aq.codec.NonFiniteGradientError` naming the rank and parameter, or with
+   ``nonfinite="skip"`` every rank gets NaN for the bucket (:attr:`QuantizedHookState.skipped`).
+4. **Checkpoints** (§7): :meth:`QuantizedHookState.state_dict` holds the compressor's state
+   (tables, step, DQSGD rule, error memory — collective with ``ErrorFeedback``) and the bucket
+   layout. DDP restarts with one bucket of every parameter and rebuilds its buckets after the
+   first iteration; after :meth:`~QuantizedHookState.load_state_dict` the hook exchanges the
+   saved buckets inside DDP's initial one, so a resumed run is bit-identical to an
+   uninterrupted one.
 """
 
 from __future__ import annotations
@@ -54,33 +57,70 @@ from horovod_aq.packed.protocol import (
     ConfigMismatchError,
     ExchangeSettings,
     check_compression,
-    check_handshake,
-    handshake_vector,
+    handshake,
     plan_traffic,
     step_record,
 )
+from horovod_aq.packed.waiting import Deadline, wait_until
+from horovod_aq.packed.waiting import stall_timeout_s as stall_timeout_of
 from horovod_aq.telemetry import Telemetry
-from horovod_aq.torch.ddp_wire import ALLREDUCE, Unit, Wire
-from horovod_aq.torch.dist_comm import DistComm, allgather_rows, group_or_world
+from horovod_aq.torch.dist_comm import DistCollectives, DistComm, group_or_world
 from horovod_aq.torch.process_exit import destroy_and_exit
+from horovod_aq.torch.wire import Bucket, Wire
 
 logger = logging.getLogger(__name__)
 
 #: Version of the dict :meth:`QuantizedHookState.state_dict` returns.
 STATE_FORMAT = 1
+#: The exchange mode of a unit whose compressor does not quantize: one ``all_reduce``.
+ALLREDUCE = "allreduce"
+
+
+class _Unit(Bucket):
+    """One exchanged vector: a DDP ``GradBucket`` — or, in the first step after a resume, one of
+    the saved buckets inside DDP's initial bucket — and where its parameters sit in the DDP
+    buffer."""
+
+    __slots__ = ("segments",)
+
+    def __init__(self, plan: BucketPlan, names: tuple[str, ...], numels: tuple[int, ...],
+                 segments: tuple[tuple[int, int], ...] | None = None) -> None:
+        #: (offset, numel) of each parameter in the DDP bucket's buffer; None: the whole buffer.
+        self.segments = segments
+        super().__init__(plan, names, numels)
+
+    def gather(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This unit's float32 input out of the bucket buffer (a view when it is the buffer)."""
+        flat = buffer if self.segments is None else torch.cat(
+            [buffer[o:o + n] for o, n in self.segments])
+        return flat.float()
+
+    def scatter(self, buffer: torch.Tensor, result: torch.Tensor) -> None:
+        """Write the averaged ``result`` back where the unit's parameters sit in ``buffer``."""
+        if self.segments is None:
+            buffer.copy_(result)
+            return
+        at = 0
+        for o, n in self.segments:
+            buffer[o:o + n].copy_(result[at:at + n])
+            at += n
 
 
 @dataclasses.dataclass
-class _Bucket:
+class _Step:
     """A DDP bucket of the current step: its buffer, its units and the future DDP waits on."""
 
     buffer: torch.Tensor
-    units: list[Unit]
+    units: list[_Unit]
     future: torch.futures.Future
 
 
 class QuantizedHookState:
     """The state of :func:`quantized_hook`: compressor, process group, layout, step.
+
+    Everything that needs the process group is resolved at the first bucket (or the first
+    :meth:`state_dict` / :meth:`load_state_dict`), so the state may be built before
+    ``torch.distributed.init_process_group``.
 
     Args:
         compression: any horovod_aq compression (``ALQ(bits=3)``, ``QSGD``, ``DQSGD``,
@@ -93,104 +133,172 @@ class QuantizedHookState:
         network: the cost model's parameters.
         telemetry: where step records go (default: an in-memory :class:`Telemetry`).
         name: prefix of bucket names and error-memory keys (default ``<compressor>.ddp``).
+        stall_timeout_s: seconds a wait for one collective may last before every stuck rank
+            raises ``ExchangeStalledError`` naming it (default ``$HOROVOD_AQ_STALL_TIMEOUT_S``,
+            else 300; 0: wait forever).
     """
+
+    __slots__ = (
+        # what is exchanged, and how
+        "compression", "settings", "telemetry", "prefix", "_deadline",
+        # the process group (resolved lazily)
+        "_group", "_resolved", "_wire", "_comm", "_collectives",
+        # bucket layout and checkpoints
+        "_names", "_plans", "_checked", "_target", "_warned_layout", "layout",
+        # the step in progress
+        "_steps", "_pending", "_started", "skipped",
+    )
 
     def __init__(self, compression: Any = None, process_group: Any = None, *,
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  exchange: str = "auto", network: NetworkModel | None = None,
-                 telemetry: Telemetry | None = None, name: str | None = None) -> None:
+                 telemetry: Telemetry | None = None, name: str | None = None,
+                 stall_timeout_s: float | None = None) -> None:
         compression = NoCompression() if compression is None else compression
         check_compression(compression, "torch.distributed.algorithms.ddp_comm_hooks")
-        if not dist.is_initialized():
-            raise RuntimeError("call torch.distributed.init_process_group() before creating "
-                               "the hook state")
         self.compression = compression
-        self.process_group = group_or_world(process_group)
         self.settings = ExchangeSettings(exchange, network=network)
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.prefix = op_name(name or f"{compression.name}.ddp")
-        self.wire = Wire(compression, self.process_group)
-        self.ranks = self.wire.ranks
+        self._deadline = Deadline(stall_timeout_of(stall_timeout_s),
+                                  step=lambda: compression.quantizer.step)
+        self._group, self._resolved = process_group, False
+        self._wire: Wire | None = None
+        self._comm: DistComm | None = None
+        self._collectives: DistCollectives | None = None
         self._names: dict[torch.Tensor, str] = (
             {p: n for n, p in named_parameters} if named_parameters is not None else {})
         self._plans: dict[tuple, BucketPlan] = {}
         self._checked: set[tuple] = set()
         self._target: dict[str, tuple[int, tuple[str, ...]]] | None = None
         self._warned_layout = False
-        self._buckets: list[_Bucket] = []
-        self._pending: list[Unit] = []
-        self._started: tuple[int, int] | None = None
         #: (index, name, numel, parameter names) of every unit of the last completed step.
         self.layout: list[tuple[int, str, int, tuple[str, ...]]] = []
+        self._steps: list[_Step] = []
+        self._pending: list[_Unit] = []
+        self._started: tuple[int, int] | None = None
         #: Whether the last step had non-finite gradients on some rank (nonfinite="skip").
         self.skipped = False
+
+    # ------------------------------------------------------------------ the process group
+    def _resolve(self) -> None:
+        """Bind the process group (at first use, after ``init_process_group``)."""
+        if self._resolved:
+            return
+        if not dist.is_initialized():
+            raise RuntimeError("horovod_aq: the DDP hook state needs torch.distributed: call "
+                               "torch.distributed.init_process_group() before the first "
+                               "backward pass")
+        self._group = group_or_world(self._group)
+        self._comm = DistComm(self._group, self._deadline)
+        self._collectives = DistCollectives(self._group)
+        # the global rank keys the random stream, as on the Horovod paths (docs/format.md §6)
+        self._wire = Wire(self.compression, self._collectives, stream_rank=dist.get_rank(),
+                          deadline=self._deadline)
+        self._resolved = True
+
+    @property
+    def process_group(self) -> Any:
+        """The process group (resolved: needs ``init_process_group``)."""
+        self._resolve()
+        return self._group
+
+    @property
+    def wire(self) -> Wire:
+        """The exchange engine (its ``tap`` sees every payload encoded)."""
+        self._resolve()
+        return self._wire
+
+    @property
+    def ranks(self) -> int:
+        """The size of the process group."""
+        return self.wire.ranks
 
     # ------------------------------------------------------------------ the hook
     def exchange(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """What :func:`quantized_hook` does for one bucket (see the module docstring)."""
+        wire = self.wire
         index, buffer = bucket.index(), bucket.buffer()
         if index == 0:
             self._begin_step()
         for unit in self._pending:   # two-phase stage 2 of earlier buckets, in bucket order
-            self.wire.advance(unit)
+            wire.advance(unit)
         self._pending = [u for u in self._pending if u.stage == "a2a"]
         units = self._units_for(index, list(bucket.parameters()), buffer)
         for unit in units:
             self._handshake(unit)
-            self.wire.submit(unit, unit.gather(buffer))
+            raw = unit.gather(buffer)
+            if unit.mode == ALLREDUCE:
+                self._allreduce(unit, raw)
+            else:
+                wire.submit(unit, raw)
             if unit.stage == "a2a":
                 self._pending.append(unit)
         devices = [buffer.device] if buffer.device.type == "cuda" else None
         future = torch.futures.Future(devices=devices)
-        self._buckets.append(_Bucket(buffer, units, future))
+        self._steps.append(_Step(buffer, units, future))
         if bucket.is_last():
             self._end_step()
         return future
 
+    def _allreduce(self, unit: _Unit, raw: torch.Tensor) -> None:
+        """Compressors that do not quantize: one ``all_reduce`` of the mean (fp16 for FP16)."""
+        wire = raw.to(torch.float16) if self.compression.fp16_wire else raw.clone()
+        unit.stage = "ar"
+
+        def done(mean: torch.Tensor) -> None:
+            unit.result, unit.stage = mean.float(), "done"
+        unit.pending = self._collectives.allreduce_mean(wire, unit.name, done)
+
+    def _finish(self, unit: _Unit) -> torch.Tensor:
+        """A unit's averaged gradient (waits; raises what a callback kept)."""
+        if unit.mode != ALLREDUCE:
+            return self.wire.finish(unit)
+        pending, unit.pending = unit.pending, None
+        wait_until(pending.done, self._deadline, f"allreduce of {unit.name}", unit.name)
+        pending.wait()
+        return unit.result
+
     def _begin_step(self) -> None:
-        if self._buckets or self._pending:
+        if self._steps or self._pending:
             logger.warning("%s: a backward pass started before the previous one finished its "
                            "last bucket; dropping that step's exchanges", self.prefix)
-        self._buckets, self._pending = [], []
+        self._steps, self._pending = [], []
         self._started = (self.compression.quantizer.step, self.compression.code_bits)
         self.skipped = False
 
     def _end_step(self) -> None:
         """The last bucket: finish every unit, hand the averages over, end the step."""
-        wire, q = self.wire, self.compression.quantizer
-        buckets, self._buckets, self._pending = self._buckets, [], []
-        results: list[tuple[_Bucket, Unit, torch.Tensor]] = []
+        q = self.compression.quantizer
+        steps, self._steps, self._pending = self._steps, [], []
+        results: list[tuple[_Step, _Unit, torch.Tensor]] = []
         error: BaseException | None = None
-        for b in buckets:
-            for unit in b.units:
+        for s in steps:
+            for unit in s.units:
                 try:
-                    results.append((b, unit, wire.finish(unit)))
+                    results.append((s, unit, self._finish(unit)))
                 except BaseException as exc:  # noqa: BLE001 - the first, after all finished
                     error = error or exc
         if error is not None:
             self._started = None
             raise error
-        for b, unit, result in results:
-            unit.scatter(b.buffer, result)
+        for s, unit, result in results:
+            unit.scatter(s.buffer, result)
             if unit.skipped:
                 self.skipped = True
             else:
                 q.observe_aggregate(result)
-        for b in buckets:
-            b.future.set_result(b.buffer)
-        units = [u for b in buckets for u in b.units]
-        if q.quantizes:
-            refitted = q.end_step(DistComm(self.process_group))
-        else:
-            q.step += 1
-            refitted = False
+        for s in steps:
+            s.future.set_result(s.buffer)
+        units = [u for s in steps for u in s.units]
+        refitted = q.end_step(self._comm)   # counts the step; refits when due
         self.layout = [(u.index, u.name, u.numel, u.names) for u in units]
         self._forget_memory({u.name for u in units})
         if self._target is not None and all(u.segments is None for u in units):
             self._target = None    # DDP's buckets are the saved ones again
         self._record(units, refitted)
 
-    def _record(self, units: list[Unit], refitted: bool) -> None:
+    def _record(self, units: list[_Unit], refitted: bool) -> None:
         started, self._started = self._started, None
         if started is None:
             return
@@ -218,13 +326,13 @@ class QuantizedHookState:
         return name if name is not None else f"b{index}.{position}{list(p.shape)}"
 
     def _units_for(self, index: int, params: list[torch.Tensor],
-                   buffer: torch.Tensor) -> list[Unit]:
+                   buffer: torch.Tensor) -> list[_Unit]:
         names = tuple(self._name(p, index, i) for i, p in enumerate(params))
         numels = tuple(p.numel() for p in params)
         device = str(buffer.device)
         cover = self._cover(names) if self._target is not None else None
         if cover is None or cover == [(index, names)]:
-            return [Unit(self._plan(index, names, numels, device), names, numels)]
+            return [_Unit(self._plan(index, names, numels, device), names, numels)]
         where, at = {}, 0
         for name, n in zip(names, numels):
             where[name] = (at, n)
@@ -233,8 +341,8 @@ class QuantizedHookState:
         for t_index, t_names in cover:
             segments = tuple(where[n] for n in t_names)
             t_numels = tuple(n for _, n in segments)
-            units.append(Unit(self._plan(t_index, t_names, t_numels, device), t_names,
-                              t_numels, segments))
+            units.append(_Unit(self._plan(t_index, t_names, t_numels, device), t_names,
+                               t_numels, segments))
         return units
 
     def _cover(self, names: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]] | None:
@@ -272,18 +380,16 @@ class QuantizedHookState:
         self._plans[key] = plan
         return plan
 
-    def _handshake(self, unit: Unit) -> None:
-        """One allgather before a layout's first exchange; every rank raises the same error."""
+    def _handshake(self, unit: _Unit) -> None:
+        """Before a layout's first exchange; every rank raises the same error."""
         key = (unit.index, unit.names)
         if key in self._checked:
             return
         plan = unit.plan
         layout = (layout_digest([plan], []) if plan.mode != ALLREDUCE
                   else layout_digest([], [f"{plan.name}:{plan.numel}"]))
-        mine = handshake_vector(self.compression.fingerprint(), layout, self.ranks)
-        gathered = allgather_rows(mine.reshape(1, -1), self.process_group)
         self._checked.add(key)
-        check_handshake(gathered, self.compression.describe_fingerprint)
+        handshake(self._comm, self.compression, layout)
 
     @property
     def buckets(self) -> list[tuple[str, int, str, list[str]]]:
@@ -300,10 +406,10 @@ class QuantizedHookState:
         (every rank's error memory is gathered): call it on every rank between steps and save
         rank 0's copy.
         """
+        self._resolve()
         buckets = [(name, numel) for _, name, numel, _ in self.layout]
-        compression = collective_state_dict(
-            self.compression, buckets, self.ranks,
-            lambda rows, _name: allgather_rows(rows, self.process_group))
+        compression = collective_state_dict(self.compression, buckets, self.ranks,
+                                            self._comm.allgather)
         return {"format": STATE_FORMAT, "compression": compression,
                 "layout": [[i, name, numel, list(names)] for i, name, numel, names in self.layout]}
 
@@ -314,16 +420,16 @@ class QuantizedHookState:
         if int(state.get("format", 0)) != STATE_FORMAT:
             raise ValueError(f"hook state format {state.get('format')!r}; this build reads "
                              f"{STATE_FORMAT}")
-        rank = dist.get_rank(self.process_group)
+        self._resolve()
         self.compression.load_state_dict(
-            select_memory(self.compression, state["compression"], rank, self.ranks))
+            select_memory(self.compression, state["compression"], self._comm.rank, self.ranks))
         self.layout = [(int(i), str(name), int(numel), tuple(names))
                        for i, name, numel, names in state["layout"]]
         self._target = ({n: (i, names) for i, _, _, names in self.layout for n in names}
                         if self.layout and self._names else None)
         self._warned_layout = False
         self._checked.clear()
-        self._buckets, self._pending, self._started = [], [], None
+        self._steps, self._pending, self._started = [], [], None
 
 
 def quantized_hook(state: QuantizedHookState, bucket: dist.GradBucket) -> torch.futures.Future:

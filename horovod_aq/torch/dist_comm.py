@@ -1,10 +1,18 @@
-"""The refit protocol's transport (:mod:`horovod_aq.refit`) over ``torch.distributed``, and the
-fixed-length row gather that the DDP hook's handshake and checkpoints share.
+"""``torch.distributed`` as the two transports of the DDP hook.
+
+* :class:`DistComm` is the :class:`~horovod_aq.refit.Comm` (numpy arrays of any dtype: the
+  handshake, refits, error-memory checkpoints);
+* :class:`DistCollectives` carries the gradient payloads of
+  :class:`~horovod_aq.torch.wire.Wire`: one async ``all_gather`` or ``all_to_all_single`` per
+  stage; an allgather's ``then`` runs in the work's future callback, so decoding overlaps the
+  rest of the backward pass; :meth:`DistCollectives.allreduce_mean` averages the buckets of
+  compressors that do not quantize.
 
 ``torch.distributed`` matches collectives by the order in which a process group issues them, not
-by name: the ``name`` arguments of :class:`~horovod_aq.refit.Comm` are accepted and ignored. The
-callers (``Compressor.end_step``, the handshake, the error-memory checkpoint) run at the same
-point of the same step on every rank, so the order is the same everywhere.
+by name: names are accepted and ignored (and only named in errors). Every caller issues them at
+the same point on every rank (the hook, in bucket order; ``Compressor.end_step``; the
+checkpoint), so the order is the same everywhere. Waits poll the work with the deadline given
+(:mod:`horovod_aq.packed.waiting`) instead of blocking in it.
 
 Tensors live where the group's backend wants them: on the current CUDA device for NCCL, on the
 CPU otherwise (Gloo, and Gloo supports float64 and int64).
@@ -12,11 +20,15 @@ CPU otherwise (Gloo, and Gloo supports float64 and int64).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from horovod_aq.packed.waiting import FOREVER, Deadline, wait_until
+from horovod_aq.torch.wire import Received
 
 
 def group_or_world(group: Any) -> Any:
@@ -42,33 +54,105 @@ def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: Any = Non
     return gather(output, tensor, group=group_or_world(group), async_op=async_op)
 
 
-def allgather_rows(rows: np.ndarray, group: Any = None) -> np.ndarray:
-    """Gather a [1, L] numpy array (any dtype torch knows) from every rank → [P, L] numpy."""
-    group = group_or_world(group)
-    device = comm_device(group)
-    mine = torch.from_numpy(np.ascontiguousarray(rows).reshape(-1)).to(device)
-    size = dist.get_world_size(group)
-    out = torch.empty(size * mine.numel(), dtype=mine.dtype, device=device)
-    all_gather_flat(out, mine, group)
-    return out.view(size, -1).cpu().numpy()
-
-
 class DistComm:
-    """:class:`~horovod_aq.refit.Comm` over a ``torch.distributed`` process group (float64)."""
+    """:class:`~horovod_aq.refit.Comm` over a ``torch.distributed`` process group."""
+
+    def __init__(self, group: Any = None, deadline: Deadline = FOREVER) -> None:
+        self.group = group_or_world(group)
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        self.device = comm_device(self.group)
+        self.deadline = deadline
+
+    def _wait(self, work: Any, name: str) -> None:
+        wait_until(work.is_completed, self.deadline, name)
+        work.wait()
+
+    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
+        mine = torch.from_numpy(np.ascontiguousarray(array).reshape(-1)).to(self.device)
+        out = torch.empty(self.size * mine.numel(), dtype=mine.dtype, device=self.device)
+        self._wait(all_gather_flat(out, mine, self.group, async_op=True), name)
+        return out.view(self.size, -1).cpu().numpy()
+
+    def broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
+        buf = torch.from_numpy(np.array(array, copy=True, order="C")).to(self.device)
+        self._wait(dist.broadcast(buf, src=dist.get_global_rank(self.group, root),
+                                  group=self.group, async_op=True), name)
+        return buf.cpu().numpy()
+
+
+class _Work:
+    """A work (or the future of its callback) as the wire's pending collective."""
+
+    __slots__ = ("poll", "collect")
+
+    def __init__(self, poll: Callable[[], bool], collect: Callable[[], Any]) -> None:
+        self.poll, self.collect = poll, collect
+
+    def done(self) -> bool:
+        return self.poll()
+
+    def wait(self) -> Any:
+        return self.collect()
+
+
+def _then(work: Any, then: Callable[[], Any]) -> _Work:
+    """``work`` with ``then()`` run in its future callback; an error there is kept and raised by
+    ``wait()`` in the caller's thread (the hook), at the same point on every rank."""
+    kept: list[BaseException] = []
+
+    def callback(_: Any) -> None:
+        try:
+            then()
+        except BaseException as exc:  # noqa: BLE001 - raised again by wait(), in the hook
+            kept.append(exc)
+    future = work.get_future().then(callback)
+
+    def collect() -> None:
+        future.wait()
+        if kept:
+            raise kept[0]
+    return _Work(future.done, collect)
+
+
+class DistCollectives:
+    """The wire's payload collectives over a ``torch.distributed`` process group."""
+
+    #: ``torch.distributed`` does not stand in for ranks that left.
+    zero_fills_joined = False
 
     def __init__(self, group: Any = None) -> None:
         self.group = group_or_world(group)
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
-        self.device = comm_device(self.group)
 
-    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
-        return allgather_rows(np.asarray(array, dtype=np.float64).reshape(1, -1), self.group)
+    def allgather(self, payload: torch.Tensor, name: str,
+                  then: Callable[[Received], Any]) -> _Work:
+        """Gather every rank's ``payload``; ``then`` runs in the work's future callback (its
+        error is kept and raised by ``wait()``, in the caller's thread)."""
+        out = torch.empty(self.size * payload.numel(), dtype=torch.uint8, device=payload.device)
+        work = all_gather_flat(out, payload, self.group, async_op=True)
+        return _then(work, lambda: then(Received(out, [payload.numel()] * self.size)))
 
-    def broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
-        buf = torch.from_numpy(np.array(array, dtype=np.float64, copy=True)).to(self.device)
-        dist.broadcast(buf, src=dist.get_global_rank(self.group, root), group=self.group)
-        return buf.cpu().numpy()
+    def allreduce_mean(self, tensor: torch.Tensor, name: str,
+                       then: Callable[[torch.Tensor], Any]) -> _Work:
+        """Average ``tensor`` over the group in place (divided by P first, then summed);
+        ``then(tensor)`` runs in the work's future callback."""
+        tensor.div_(self.size)
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        return _then(work, lambda: then(tensor))
+
+    def alltoall(self, payloads: list[torch.Tensor], name: str) -> _Work:
+        """Send ``payloads[r]`` to rank r (equal sizes); ``wait()`` gives the received ones."""
+        send = torch.cat(payloads)
+        received = torch.empty_like(send)
+        work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
+        sizes = [p.numel() for p in payloads]
+
+        def collect() -> Received:
+            work.wait()
+            return Received(received, sizes)
+        return _Work(work.is_completed, collect)
 
 
-__all__ = ["DistComm", "all_gather_flat", "allgather_rows", "comm_device", "group_or_world"]
+__all__ = ["DistCollectives", "DistComm", "all_gather_flat", "comm_device", "group_or_world"]

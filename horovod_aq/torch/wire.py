@@ -1,0 +1,397 @@
+"""The one wire engine of the packed torch exchanges: the Horovod optimizer and the DDP hook.
+
+A :class:`Wire` moves :class:`Bucket` s — fused gradient vectors, each exchanged as one payload
+stream — through the stages of docs/protocol.md §5 with the packed kernels, over a small
+collective adapter (:class:`Collectives`): Horovod handles (:class:`horovod_aq.torch.comm.
+HorovodCollectives`) or ``torch.distributed`` works (:class:`horovod_aq.torch.dist_comm.
+DistCollectives`). Every per-rank decision is :mod:`horovod_aq.packed`'s: the send order and
+error-feedback update (``send``), the markers (``marker``), the outcome of what arrived
+(``receive``), the parameter of an element (``params``), the real part of a chunk (``chunks``),
+the stall deadline (``waiting``).
+
+Stages of a bucket (``Bucket.stage``)::
+
+    idle ─submit─▶ ag ──────────────────────────────▶ done     allgather (§5.1)
+    idle ─submit─▶ a2a ─advance─▶ ag2 ──────────────▶ done     two-phase (§5.2)
+
+1. :meth:`Wire.submit` sends the bucket's raw float32 gradient (``packed.send.send_bucket``):
+   one allgather "aq.ag.<bucket>" of the payload, or one alltoall "aq.a2a.<bucket>" of the P
+   chunk payloads (markers in their place when the gradient cannot travel).
+2. :meth:`Wire.advance` (two-phase): waits for the alltoall, decides on the received chunks
+   (``packed.receive``), decodes and averages chunk r, zeroes what is not gradient
+   (``packed.chunks``), re-encodes it with part P and starts the allgather "aq.ag.<bucket>".
+3. When an allgather's rows arrive they are checked and decoded (all P payloads averaged, or
+   the P averaged chunks concatenated) — in the work's callback under ``torch.distributed``
+   (overlapping the backward pass), when collected under Horovod. :meth:`Wire.finish` returns
+   the averaged gradient and raises what a callback kept, at the same point on every rank.
+
+Collectives go out in the order the caller calls :meth:`~Wire.submit` and :meth:`~Wire.advance`
+(``torch.distributed`` pairs them by issue order, so the DDP hook calls both from the hook, in
+bucket order; callbacks only decode). Payloads travel as lists of per-rank byte payloads with
+their sizes (:class:`Received`); today every rank's payload of a bucket has the same size.
+
+A bucket may carry a **presence mask** (the optimizer's: one bit per parameter appended to every
+first-phase payload, ``np.packbits`` order): parameters no rank had a gradient for are then
+exact zeros in the result and in the re-encoded chunk (docs/protocol.md §15).
+
+:attr:`Wire.tap`, when set, sees every payload the wire encodes: ``tap(bucket, part, values,
+payload)`` (part k < P: chunk k or the allgather payload; part P: a re-encoded chunk).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from horovod_aq import codec
+from horovod_aq.codec.stream import StreamKey
+from horovod_aq.packed import plan as names
+from horovod_aq.packed.chunks import chunk_zero_spans
+from horovod_aq.packed.cost import chunk_numel
+from horovod_aq.packed.marker import marker_for
+from horovod_aq.packed.params import contiguous_offsets, param_at
+from horovod_aq.packed.plan import BucketPlan
+from horovod_aq.packed.receive import SKIP, check_joined, receive_outcome
+from horovod_aq.packed.send import (
+    SendSteps,
+    first_bad_element,
+    reencode_part,
+    send_bucket,
+    sent_values,
+)
+from horovod_aq.packed.waiting import FOREVER, Deadline, wait_until
+from horovod_aq.torch import kernels, stats
+
+#: What the wire times (``Wire.seconds``): encoding, decoding and averaging, waiting.
+TIMED = ("encode", "decode", "wait")
+#: What a rank waiting for a payload collective is doing (``ExchangeStalledError``).
+EXCHANGING = "waiting for the gradient exchange"
+
+
+def _peak(x: torch.Tensor) -> float:
+    """max|x_i| in one pass without a temporary (NaN when x holds a NaN); 0 when empty."""
+    if not x.numel():
+        return 0.0
+    low, high = (float(v) for v in torch.aminmax(x))
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
+
+
+class Received:
+    """What a collective delivered to this rank: the per-rank payloads, back to back in ``flat``
+    (uint8), with their ``sizes`` in rank order."""
+
+    __slots__ = ("flat", "sizes")
+
+    def __init__(self, flat: torch.Tensor, sizes: Sequence[int]) -> None:
+        self.flat, self.sizes = flat, list(sizes)
+
+    def rows(self) -> torch.Tensor:
+        """The payloads as [P, size] rows (a view: every rank's payload has the same size)."""
+        if len(set(self.sizes)) > 1:
+            raise ValueError(f"payloads of different sizes {self.sizes} cannot be viewed as rows")
+        return self.flat.view(len(self.sizes), -1)
+
+
+class Pending(Protocol):
+    """A collective in flight."""
+
+    def done(self) -> bool:
+        """Whether :meth:`wait` would return at once."""
+
+    def wait(self) -> Any:
+        """Its outcome (an allgather's: what its ``then`` returned, raising what it raised)."""
+
+
+class Collectives(Protocol):
+    """The payload collectives of one process group (the wire's adapter)."""
+
+    #: This rank within the group (the two-phase chunk it averages) and the group's size.
+    rank: int
+    size: int
+    #: Whether a rank that left (``hvd.join()``) is received as zeros.
+    zero_fills_joined: bool
+
+    def allgather(self, payload: torch.Tensor, name: str,
+                  then: Callable[[Received], Any]) -> Pending:
+        """Gather every rank's ``payload``; ``then(received)`` runs once they arrived."""
+
+    def alltoall(self, payloads: list[torch.Tensor], name: str) -> Pending:
+        """Send ``payloads[r]`` to rank r; ``wait()`` gives the :class:`Received` payloads."""
+
+
+class Bucket:
+    """One exchanged vector: its plan and parameters, and its exchange of the current step."""
+
+    __slots__ = (
+        # what it is (fixed when planned)
+        "plan", "names", "numels", "offsets", "masked",
+        # its exchange in the current step
+        "stage", "pending", "table", "result", "skipped", "gone",
+    )
+
+    def __init__(self, plan: BucketPlan, names: Sequence[str], numels: Sequence[int], *,
+                 masked: bool = False) -> None:
+        self.plan = plan
+        self.names, self.numels = tuple(names), tuple(int(n) for n in numels)
+        #: Where each parameter starts in the bucket (back to back, in bucket order).
+        self.offsets = tuple(contiguous_offsets(self.numels))
+        #: Whether first-phase payloads carry a presence mask.
+        self.masked = masked
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the current step's exchange."""
+        self.stage, self.pending, self.table = "idle", None, None
+        self.result: torch.Tensor | None = None
+        self.skipped = False
+        #: Positions of the parameters no rank had a gradient for (from the presence masks).
+        self.gone: list[int] = []
+
+    #: The plan's index (the stream key's bucket), name, size and exchange mode.
+    index = property(lambda self: self.plan.index)
+    name = property(lambda self: self.plan.name)
+    numel = property(lambda self: self.plan.numel)
+    mode = property(lambda self: self.plan.mode)
+
+    @property
+    def mask_bytes(self) -> int:
+        """Bytes of the presence mask (one bit per parameter), 0 without one."""
+        return (len(self.names) + 7) // 8 if self.masked else 0
+
+    def param_at(self, element: int | None) -> str | None:
+        """The parameter holding element ``element`` (None if none)."""
+        return param_at(element, self.offsets, self.numels, self.names)
+
+    def spans(self, positions: Sequence[int]) -> list[tuple[int, int]]:
+        """(offset, numel) of the parameters at ``positions``."""
+        return [(self.offsets[k], self.numels[k]) for k in positions]
+
+
+class Wire:
+    """The stages of a bucket's exchange for one compressor over one :class:`Collectives`.
+
+    Args:
+        compression: the compressor (or ``ErrorFeedback``) whose tables and memory are used.
+        comm: the payload collectives of the process group.
+        stream_rank: the global rank, which keys the random stream (docs/format.md §6).
+        deadline: how long one wait may last (``packed.waiting.Deadline``).
+    """
+
+    __slots__ = (
+        # what it sends with
+        "compression", "q", "memory",
+        # where
+        "comm", "ranks", "rank", "stream_rank", "deadline",
+        # what it tells
+        "tap", "seconds",
+    )
+
+    def __init__(self, compression: Any, comm: Collectives, *, stream_rank: int,
+                 deadline: Deadline = FOREVER) -> None:
+        self.compression = compression
+        self.q = compression.quantizer
+        self.memory = compression.error_memory
+        self.comm = comm
+        self.ranks, self.rank = comm.size, comm.rank
+        self.stream_rank = stream_rank
+        self.deadline = deadline
+        #: ``tap(bucket, part, values, payload)`` for every payload encoded (None: no tap).
+        self.tap: Callable[[Bucket, int, torch.Tensor, torch.Tensor], Any] | None = None
+        #: Seconds spent encoding, decoding and waiting since :meth:`take_seconds`.
+        self.seconds = dict.fromkeys(TIMED, 0.0)
+
+    def take_seconds(self) -> dict[str, float]:
+        """The seconds of :attr:`seconds` since the last call, then zero."""
+        out, self.seconds = self.seconds, dict.fromkeys(TIMED, 0.0)
+        return out
+
+    # ------------------------------------------------------------------ 1. submission
+    def submit(self, bucket: Bucket, raw: torch.Tensor,
+               present: Sequence[bool] | None = None) -> None:
+        """Send ``raw`` (the bucket's float32 gradient, flat): payloads, or markers (stage 1).
+        ``present``: which parameters had a gradient on this rank (masked buckets)."""
+        q, P = self.q, self.ranks
+        bucket.table = q.table
+        steps = SendSteps(compensate=lambda g: self._compensate(bucket, g),
+                          first_bad=self._first_bad, record=self._record,
+                          parts=lambda x: self._parts(bucket, x),
+                          encode=lambda part, k: self._encode(bucket, part, k),
+                          markers=lambda bad: self._markers(bucket, bad, raw.device))
+        update = None if self.memory is None else (
+            lambda g, sent: self._update_memory(bucket, g, sent))
+        payloads = send_bucket(raw, steps, update)
+        mask = self._mask(bucket, present, raw.device)
+        if mask is not None:
+            payloads = [torch.cat([p, mask]) for p in payloads]
+        if bucket.mode == "allgather":
+            self._allgather(bucket, payloads[0], "ag")
+        else:
+            assert len(payloads) == P
+            bucket.stage = "a2a"
+            bucket.pending = self.comm.alltoall(payloads, names.alltoall_name(bucket.name))
+
+    def _allgather(self, bucket: Bucket, payload: torch.Tensor, stage: str) -> None:
+        # the stage is set first: under torch.distributed the callback may run at once
+        bucket.stage = stage
+        bucket.pending = self.comm.allgather(payload, names.allgather_name(bucket.name),
+                                             lambda got: self._gathered(bucket, got))
+
+    def _compensate(self, bucket: Bucket, raw: torch.Tensor) -> torch.Tensor:
+        return raw if self.memory is None else self.memory.compensate(bucket.name, raw)
+
+    def _update_memory(self, bucket: Bucket, raw: torch.Tensor,
+                       sent: list[torch.Tensor]) -> None:
+        """h ← β·h + (g − g̃), g̃ the decode of this rank's own payloads."""
+        self.memory.update(bucket.name, raw, sent_values(
+            sent, lambda p: kernels.decode(p, bucket.table), torch.cat, bucket.numel))
+
+    def _first_bad(self, raw: torch.Tensor, x: torch.Tensor) -> int | None:
+        q = self.q
+        return first_bad_element(
+            raw, x, first_nonfinite=kernels.first_nonfinite,
+            peak=_peak,
+            norms=lambda v: kernels.bucket_norms(v, q.bucket_size, q.norm).cpu().numpy(),
+            bucket_size=q.bucket_size)
+
+    def _record(self, x: torch.Tensor) -> None:
+        q = self.q
+        if q.recording:
+            q.record_stats(*stats.bucket_moments(x, q.bucket_size),
+                           histogram=stats.normalized_histogram(x, q.bucket_size)
+                           if q.wants_histogram else None)
+
+    def _parts(self, bucket: Bucket, x: torch.Tensor) -> list[torch.Tensor]:
+        """[x], or the P chunks of x padded with zeros to P·m (two-phase)."""
+        if bucket.mode == "allgather":
+            return [x]
+        P = self.ranks
+        m = chunk_numel(bucket.numel, P, self.q.bucket_size)
+        padded = torch.zeros(P * m, dtype=torch.float32, device=x.device)
+        padded[:bucket.numel] = x
+        return list(padded.view(P, m))
+
+    def _encode(self, bucket: Bucket, x: torch.Tensor, part: int) -> torch.Tensor:
+        """Encode with the format's stream of (seed, rank, step, bucket, part) (docs/format.md
+        §6): a resumed run draws exactly what an uninterrupted one would."""
+        q = self.q
+        started = time.perf_counter()
+        payload = kernels.encode(x, bucket.table, bucket_size=q.bucket_size, norm=q.norm,
+                                 key=StreamKey(q.seed, self.stream_rank, q.step, bucket.index,
+                                               part), checksum=q.checksum)
+        self.seconds["encode"] += time.perf_counter() - started
+        if self.tap is not None:
+            self.tap(bucket, part, x, payload)
+        return payload
+
+    def _markers(self, bucket: Bucket, first_bad: int, device: torch.device) -> list[torch.Tensor]:
+        q = self.q
+        spec = marker_for(bucket.mode, bucket.numel, self.ranks, bucket.table.bits, q.bucket_size)
+        one = torch.from_numpy(spec.payload(bucket.table, q.bucket_size, q.norm,
+                                            first_bad)).to(device)
+        return [one] * spec.copies
+
+    @staticmethod
+    def _mask(bucket: Bucket, present: Sequence[bool] | None,
+              device: torch.device) -> torch.Tensor | None:
+        if not bucket.masked:
+            return None
+        bits = np.ones(len(bucket.names), dtype=bool) if present is None else np.asarray(
+            present, dtype=bool)
+        return torch.from_numpy(np.packbits(bits)).to(device)
+
+    def _unmask(self, bucket: Bucket, rows: torch.Tensor) -> torch.Tensor:
+        """The payloads of masked ``rows``; records in ``bucket.gone`` the parameters that no
+        rank had a gradient for."""
+        k = bucket.mask_bytes
+        if not k:
+            return rows
+        masks = np.unpackbits(rows[:, -k:].cpu().numpy(), axis=1)[:, :len(bucket.names)]
+        bucket.gone = [i for i, seen in enumerate(masks.any(axis=0)) if not seen]
+        return rows[:, :-k].contiguous()
+
+    # ------------------------------------------------------------------ 2. two-phase stage 2
+    def ready(self, bucket: Bucket) -> bool:
+        """Whether the bucket's collective in flight has completed (never blocks)."""
+        return bucket.pending is not None and bucket.pending.done()
+
+    def advance(self, bucket: Bucket) -> None:
+        """Two-phase stage 2: wait for the alltoall, decide on the received chunks, decode and
+        average chunk r, re-encode it (part P) and start the allgather of the averaged chunks.
+        Does nothing in any other stage."""
+        if bucket.stage != "a2a":
+            return
+        q, P = self.q, self.ranks
+        collective = names.alltoall_name(bucket.name)
+        rows = self._wait(bucket, collective).rows()
+        if self._outcome(bucket, rows, collective) == SKIP:
+            return
+        rows = self._unmask(bucket, rows)
+        m = chunk_numel(bucket.numel, P, q.bucket_size)
+        started = time.perf_counter()
+        chunk = kernels.decode_average(rows, bucket.table, numel=m, bucket_size=q.bucket_size,
+                                       norm=q.norm)
+        self.seconds["decode"] += time.perf_counter() - started
+        for lo, hi in chunk_zero_spans(bucket.numel, m, self.rank, bucket.spans(bucket.gone)):
+            chunk[lo:hi] = 0.0
+        self._allgather(bucket, self._encode(bucket, chunk, reencode_part(P)), "ag2")
+
+    # ------------------------------------------------------------------ 3. the allgathers
+    def _gathered(self, bucket: Bucket, received: Received) -> None:
+        """The allgather's rows arrived: decide and decode (stage 3)."""
+        q, collective = self.q, names.allgather_name(bucket.name)
+        rows = received.rows()
+        started = time.perf_counter()
+        if bucket.stage == "ag":
+            if self._outcome(bucket, rows, collective) == SKIP:
+                return
+            rows = self._unmask(bucket, rows)
+            result = kernels.decode_average(rows, bucket.table, numel=bucket.numel,
+                                            bucket_size=q.bucket_size, norm=q.norm)
+        else:
+            if self.comm.zero_fills_joined:
+                check_joined(rows[:, :codec.HEADER_SIZE].cpu().numpy(), collective)
+            m = chunk_numel(bucket.numel, self.ranks, q.bucket_size)
+            result = torch.cat([kernels.decode(row, bucket.table, numel=m,
+                                               bucket_size=q.bucket_size, norm=q.norm)
+                                for row in rows])[:bucket.numel]
+        for offset, numel in bucket.spans(bucket.gone):   # exact zeros where no rank had one
+            result[offset:offset + numel] = 0.0
+        self.seconds["decode"] += time.perf_counter() - started
+        bucket.result, bucket.stage = result, "done"
+
+    def _outcome(self, bucket: Bucket, rows: torch.Tensor, collective: str) -> str:
+        """``packed.receive`` on the rows' headers; a skipped bucket's result is NaN."""
+        outcome = receive_outcome(rows[:, :codec.HEADER_SIZE].cpu().numpy(),
+                                  nonfinite=self.compression.nonfinite, bucket=bucket.name,
+                                  collective=collective, param_at=bucket.param_at,
+                                  joined=self.comm.zero_fills_joined)
+        if outcome == SKIP:
+            bucket.result = torch.full((bucket.numel,), float("nan"), device=rows.device)
+            bucket.skipped, bucket.stage = True, "done"
+        return outcome
+
+    def _wait(self, bucket: Bucket, collective: str) -> Any:
+        pending, bucket.pending = bucket.pending, None
+        started = time.perf_counter()
+        wait_until(pending.done, self.deadline, collective, bucket.name, EXCHANGING)
+        self.seconds["wait"] += time.perf_counter() - started
+        return pending.wait()
+
+    def finish(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's averaged float32 gradient: advances and waits as needed, raises what a
+        callback kept. Idempotent once done."""
+        self.advance(bucket)
+        if bucket.pending is not None:   # also when a callback finished: it may have raised
+            self._wait(bucket, names.allgather_name(bucket.name))
+        if bucket.result is None:
+            raise RuntimeError(f"bucket {bucket.name} finished without a result (stage "
+                               f"{bucket.stage}): it was never submitted")
+        return bucket.result
+
+
+__all__ = ["Bucket", "Collectives", "Pending", "Received", "TIMED", "Wire"]

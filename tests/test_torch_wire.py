@@ -1,0 +1,215 @@
+"""The torch wire engine (horovod_aq.torch.wire) on P simulated ranks in one process: a loopback
+collective adapter delivers what every rank's Wire submitted, so the engine's stages, markers,
+presence masks, stall deadline and joined-rank check are checked against the numpy oracle
+without launching ranks (the launches are tests/test_torch_optimizer.py and tests/test_ddp.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import horovod_aq
+from horovod_aq import codec
+from horovod_aq.codec.stream import StreamKey
+from horovod_aq.packed.cost import chunk_numel
+from horovod_aq.packed.plan import BucketPlan
+from horovod_aq.packed.receive import JoinedRankError
+from horovod_aq.packed.waiting import Deadline, ExchangeStalledError
+
+torch = pytest.importorskip("torch")
+wire_mod = pytest.importorskip("horovod_aq.torch.wire")
+
+B = 16
+SEED = 5
+
+
+class Network:
+    """What P ranks submitted, by collective name (one process, ranks driven in turn)."""
+
+    def __init__(self, ranks: int, zero_fills_joined: bool = False) -> None:
+        self.ranks, self.zero_fills_joined = ranks, zero_fills_joined
+        self.sent: dict[str, dict[int, list[torch.Tensor]]] = {}
+
+
+class _Pending:
+    def __init__(self, net, name, rank, collect):
+        self.net, self.name, self.rank, self.collect = net, name, rank, collect
+
+    def done(self):
+        return len(self.net.sent.get(self.name, {})) == self.net.ranks
+
+    def wait(self):
+        return self.collect(self.net.sent[self.name])
+
+
+class Loopback:
+    """The :class:`~horovod_aq.torch.wire.Collectives` of one simulated rank."""
+
+    def __init__(self, net: Network, rank: int) -> None:
+        self.net, self.rank, self.size = net, rank, net.ranks
+        self.zero_fills_joined = net.zero_fills_joined
+
+    def _put(self, name, payloads):
+        self.net.sent.setdefault(name, {})[self.rank] = payloads
+
+    def allgather(self, payload, name, then):
+        self._put(name, [payload])
+
+        def collect(sent):
+            rows = [sent[r][0] for r in range(self.size)]
+            return then(wire_mod.Received(torch.cat(rows), [p.numel() for p in rows]))
+        return _Pending(self.net, name, self.rank, collect)
+
+    def alltoall(self, payloads, name):
+        self._put(name, list(payloads))
+
+        def collect(sent):
+            mine = [sent[r][self.rank] for r in range(self.size)]
+            return wire_mod.Received(torch.cat(mine), [p.numel() for p in mine])
+        return _Pending(self.net, name, self.rank, collect)
+
+
+NAMES, NUMELS = ("w", "b", "v"), (40, 7, 23)
+
+
+def _ranks(P, mode, comp_factory, *, masked=False, net=None, deadline=Deadline(None)):
+    net = net or Network(P)
+    n = sum(NUMELS)
+    plan = BucketPlan(3, "t.0.abc", (0, 1, 2), n, mode)
+    out = []
+    for r in range(P):
+        comp = comp_factory()
+        wire = wire_mod.Wire(comp, Loopback(net, r), stream_rank=r, deadline=deadline)
+        out.append((comp, wire, wire_mod.Bucket(plan, NAMES, NUMELS, masked=masked)))
+    return net, out
+
+
+def _grads(P, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(sum(NUMELS)).astype(np.float32) for _ in range(P)]
+
+
+def _run(ranks, grads, present=None):
+    for (comp, wire, bucket), g in zip(ranks, grads):
+        wire.submit(bucket, torch.from_numpy(g.copy()), present)
+    for comp, wire, bucket in ranks:
+        wire.advance(bucket)
+    return [wire.finish(bucket).numpy() for comp, wire, bucket in ranks]
+
+
+def _qsgd():
+    return horovod_aq.QSGD(bits=3, bucket_size=B, seed=SEED)
+
+
+def _oracle(grads, mode, table):
+    P, n = len(grads), grads[0].size
+
+    def enc(x, rank, part):
+        return codec.encode(x, table, bucket_size=B, norm="l2",
+                            key=StreamKey(SEED, rank, 0, 3, part))
+    if mode == "allgather":
+        return codec.decode_average(np.stack([enc(g, r, 0) for r, g in enumerate(grads)]), table)
+    m = chunk_numel(n, P, B)
+    padded = [np.concatenate([g, np.zeros(P * m - n, np.float32)]) for g in grads]
+    chunks = []
+    for r in range(P):
+        avg = codec.decode_average(np.stack([enc(padded[p][r * m:(r + 1) * m], p, r)
+                                             for p in range(P)]), table)
+        avg[min(max(n - r * m, 0), m):] = 0.0
+        chunks.append(codec.decode(enc(avg, r, P), table))
+    return np.concatenate(chunks)[:n]
+
+
+@pytest.mark.parametrize("mode, P", [("allgather", 2), ("allgather", 3), ("two_phase", 3),
+                                     ("two_phase", 4)])
+def test_the_engine_equals_the_numpy_oracle_and_taps_every_payload(mode, P):
+    _, ranks = _ranks(P, mode, _qsgd)
+    tapped = []
+    for comp, wire, bucket in ranks:
+        wire.tap = lambda b, part, values, payload, r=wire.stream_rank: tapped.append((r, part))
+    grads = _grads(P)
+    results = _run(ranks, grads)
+    expected = _oracle(grads, mode, ranks[0][0].table)
+    for got in results:
+        np.testing.assert_array_equal(got, expected)
+    parts = [0] if mode == "allgather" else list(range(P + 1))
+    assert sorted(tapped) == sorted((r, k) for r in range(P) for k in parts)
+    assert all(wire.seconds["encode"] > 0 for _, wire, _ in ranks)
+
+
+def test_error_feedback_memory_is_what_the_rank_did_not_send():
+    P = 2
+    _, ranks = _ranks(P, "two_phase", lambda: horovod_aq.ErrorFeedback(_qsgd(), alpha=1.0,
+                                                                       beta=1.0))
+    grads = _grads(P)
+    sent = {}
+    for comp, wire, bucket in ranks:
+        wire.tap = (lambda b, part, values, payload, r=wire.stream_rank:
+                    sent.setdefault(r, []).append((part, payload.clone())))
+    _run(ranks, grads)
+    table = ranks[0][0].quantizer.table
+    for r, (comp, wire, bucket) in enumerate(ranks):
+        first = [p for part, p in sorted(sent[r], key=lambda e: e[0]) if part < P]
+        g_hat = np.concatenate([codec.decode(p.numpy(), table) for p in first])[:bucket.numel]
+        np.testing.assert_allclose(comp.error_memory.memory[bucket.name].numpy(),
+                                   grads[r] - g_hat, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["allgather", "two_phase"])
+def test_a_marker_names_rank_and_parameter_on_every_rank(mode):
+    P = 3
+    _, ranks = _ranks(P, mode, _qsgd)
+    grads = _grads(P)
+    grads[2][45] = np.nan                     # parameter "b" occupies elements 40..46
+    errors = []
+    for (comp, wire, bucket), g in zip(ranks, grads):
+        wire.submit(bucket, torch.from_numpy(g))
+    for comp, wire, bucket in ranks:
+        with pytest.raises(codec.NonFiniteGradientError) as err:
+            wire.finish(bucket)
+        errors.append(str(err.value))
+    assert len(set(errors)) == 1 and "on rank 2" in errors[0] and "'b'" in errors[0]
+
+
+def test_skip_gives_nan_on_every_rank():
+    P = 2
+    _, ranks = _ranks(P, "two_phase",
+                      lambda: horovod_aq.QSGD(bits=3, bucket_size=B, seed=SEED, nonfinite="skip"))
+    grads = _grads(P)
+    grads[0][:] = 3e38                        # finite, but the bucket norms overflow float32
+    results = _run(ranks, grads)
+    assert all(np.isnan(r).all() for r in results)
+    assert all(bucket.skipped for _, _, bucket in ranks)
+
+
+def test_presence_masks_zero_what_no_rank_had():
+    P = 3
+    _, ranks = _ranks(P, "two_phase", _qsgd, masked=True)
+    grads = _grads(P)
+    for g in grads:
+        g[40:47] = 0.0                          # "b" absent everywhere, sent as zeros
+    results = _run(ranks, grads, present=[True, False, True])
+    for (_, _, bucket), got in zip(ranks, results):
+        assert bucket.gone == [1]
+        assert not got[40:47].any()
+        np.testing.assert_array_equal(got, results[0])
+
+
+def test_a_stalled_wait_ends_with_an_error_naming_the_collective():
+    _, ranks = _ranks(2, "allgather", _qsgd, deadline=Deadline(0.05, step=lambda: 7))
+    comp, wire, bucket = ranks[0]
+    wire.submit(bucket, torch.from_numpy(_grads(2)[0]))   # rank 1 never submits
+    with pytest.raises(ExchangeStalledError) as err:
+        wire.finish(bucket)
+    assert "'aq.ag.t.0.abc'" in str(err.value) and "at step 7" in str(err.value)
+
+
+def test_a_zero_filled_row_is_a_joined_rank():
+    net = Network(2, zero_fills_joined=True)
+    _, ranks = _ranks(2, "allgather", _qsgd, net=net)
+    comp, wire, bucket = ranks[0]
+    wire.submit(bucket, torch.from_numpy(_grads(2)[0]))
+    mine = net.sent["aq.ag.t.0.abc"][0][0]
+    net.sent["aq.ag.t.0.abc"][1] = [torch.zeros_like(mine)]   # what Horovod sends for rank 1
+    with pytest.raises(JoinedRankError, match=r"rank\(s\) 1 called hvd.join\(\)"):
+        wire.finish(bucket)
