@@ -441,9 +441,30 @@ def warnings_like_horovod():
     return {"categories": categories, "errors": errors}
 
 
+def wrapped_twice():
+    """Wrapping an optimizer that is already a DistributedOptimizer (ours or Horovod's),
+    positionally as Horovod users write it, says so instead of a TypeError about positional
+    arguments of an internal class."""
+    torch, hvd = init_torch()
+    import horovod_aq
+    import horovod_aq.torch as aqt
+
+    model = tiny_model(torch, 0)
+    out = {}
+    for name, inner in (("ours", aqt.DistributedOptimizer), ("horovod", hvd.DistributedOptimizer)):
+        wrapped = inner(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                        horovod_aq.QSGD(bits=3) if name == "ours" else hvd.Compression.none)
+        try:
+            aqt.DistributedOptimizer(wrapped, model.named_parameters(), horovod_aq.QSGD(bits=3))
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001
+            out[name] = (type(exc).__name__, str(exc))
+    return out
+
+
 CHECKS = [resume_layouts, fresh_start, zero_grad_set_to_none, load_refused_unchanged,
           horovod_signature, sum_and_predivide_quantized, groups_and_sparse, class_compression,
-          warnings_like_horovod]
+          warnings_like_horovod, wrapped_twice]
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
@@ -537,6 +558,15 @@ def test_warnings_like_horovod_and_no_stray_std_warning(launch):
     for r in launch.get(warnings_like_horovod):
         assert r["categories"] == {"horovod": ["UserWarning"], "ours": ["UserWarning"]}
         assert r["errors"] == {"stock": None, "packed": None}
+
+
+@pytest.mark.multiprocess
+def test_wrapping_a_wrapped_optimizer_says_so(launch):
+    for r in launch.get(wrapped_twice):
+        for name in ("ours", "horovod"):
+            kind, message = r[name]
+            assert kind == "TypeError" and "already a DistributedOptimizer" in message, r
+            assert "positional" not in message
 
 
 def test_small_tensor_threshold_is_validated():

@@ -26,6 +26,10 @@ ADASUM_MESSAGE = (
     "(or hvd.Sum) with horovod_aq compression, or hvd.DistributedOptimizer(op=hvd.Adasum) without "
     "it (horovod_aq.torch.DistributedOptimizer with NoCompression()/FP16() hands Adasum to "
     "Horovod's own optimizer).")
+WRAPPED_MESSAGE = (
+    "optimizer is already a DistributedOptimizer (horovod_aq's or Horovod's): wrap the local "
+    "torch optimizer once, e.g. horovod_aq.torch.DistributedOptimizer(torch.optim.SGD(...), "
+    "named_parameters=model.named_parameters(), compression=...)")
 
 
 def check_horovod_args(optimizer: Any, compression: Any, *, op: Any,
@@ -34,6 +38,8 @@ def check_horovod_args(optimizer: Any, compression: Any, *, op: Any,
     """``hvd.DistributedOptimizer``'s arguments as Horovod checks them, plus what the packed
     exchange refuses; returns (the compression resolved, the groups: ``num_groups`` folded in).
     """
+    if "_allreduce_grad_async" in type(optimizer).__dict__:
+        raise TypeError(WRAPPED_MESSAGE)
     compression = resolve_compression(compression)
     check_compression(compression, "hvd.DistributedOptimizer")
     passthrough = not compression.quantizes and compression.error_memory is None
