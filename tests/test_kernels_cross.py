@@ -379,7 +379,7 @@ CORRUPTIONS = [
     ("crc-field-flip", "data", lambda p, s: _flip(s, 29, 0), "checksum mismatch"),
     ("checksum-flag-without-crc", "data", lambda p, s: _with(p, 5, 2), "checksum mismatch"),
     ("flags-3", "header", lambda p, s: _with(p, 5, 3), "reserved fields set"),
-    ("flags-4", "header", lambda p, s: _with(p, 5, 4), "reserved fields set"),
+    ("flags-8", "header", lambda p, s: _with(p, 5, 8), "reserved fields set"),
     ("reserved-without-flag", "header", lambda p, s: _with(p, 30, 1), "reserved fields set"),
     ("checksummed-marker", "header", lambda p, s: _with(codec.nonfinite_payload(
         100, PARITY_TABLE, 16, "l2", 7), 5, 3), "reserved fields set"),

@@ -259,7 +259,7 @@ def decode(
     if header.entropy:  # docs/format.md §12
         from horovod_aq.codec import fused_entropy
 
-        return fused_entropy.decode_average([data], table, dtype=dtype, out=out)
+        return fused_entropy.decode(data, table, dtype=dtype)
     check_size(header, data.size)
     check_checksum(data, header)
     result = _decode_rows(data.reshape(1, -1), header, table, False, out, dtype)

@@ -43,6 +43,7 @@ from horovod_aq.codec.entropy_kernels import (
 from horovod_aq.codec.format import (
     HEADER_SIZE,
     NORM_BYTES,
+    NonFiniteGradientError,
     PayloadError,
     as_bytes,
     as_table,
@@ -124,9 +125,14 @@ def _run_codes(flat, levels, bits, bucket_size, norm, key, norms, codes) -> int:
 def decode(payload: Any, table: LevelTable | Any, *, dtype: Any = np.float32,
            numel: int | None = None, bucket_size: int | None = None,
            norm: str | None = None) -> np.ndarray:
-    """``codec.decode`` of one payload of either kind (bitwise)."""
-    return decode_average([as_bytes(payload)], table, dtype=dtype, numel=numel,
-                          bucket_size=bucket_size, norm=norm)
+    """``codec.decode`` of one payload of either kind (bitwise, the same errors)."""
+    data = as_bytes(payload)
+    try:
+        return decode_average([data], table, dtype=dtype, numel=numel,
+                              bucket_size=bucket_size, norm=norm)
+    except (PayloadError, NonFiniteGradientError):  # the oracle's message, without "rank 0:"
+        reference.decode(data, table, numel=numel, bucket_size=bucket_size, norm=norm)
+        raise
 
 
 def decode_average(payloads: Any, table: LevelTable | Any, *, dtype: Any = np.float32,
