@@ -201,6 +201,15 @@ def levels(args: argparse.Namespace) -> int:
     print(f"levels (v{table.version}, {table.bits} bits): "
           + np.array2string(table.levels, precision=6, max_line_width=100))
     print(f"measured normalized variance E||Q(g)-g||^2/||g||^2 = {measured:.4g} (one draw)")
+    x32, key = grad.astype(np.float32), codec.StreamKey(seed=args.seed)
+    codes, _ = codec.quantize_codes(x32, table, bucket_size=B, norm=comp.norm,
+                                    uniforms=codec.stream_uniforms(x32.size, key))
+    coded = codec.encode_entropy(x32, table, bucket_size=B, norm=comp.norm, key=key)
+    per = 8.0 / max(1, x32.size)
+    print(f"measured: empirical entropy {codec.empirical_entropy(codes, table.num_levels):.3f} "
+          f"bits/coordinate; entropy-coded payload {per * coded.size:.3f} bits/coordinate "
+          f"(fixed-width {per * codec.payload_size(x32.size, table.bits, B):.3f}, of which "
+          f"norms {per * 4 * codec.num_buckets(x32.size, B):.3f}; docs/format.md §12)")
     stats = horovod_aq.levels.BucketStats.from_gradient(grad, B)
     if len(stats):
         dist = stats.mixture()
