@@ -304,9 +304,10 @@ def wire_bits(x, table, bucket, norm, key) -> dict[str, str]:
                                     uniforms=codec.stream_uniforms(min(n, 1 << 20), key))
     entropy = codec.empirical_entropy(codes, table.num_levels)
     norms = 32.0 * codec.num_buckets(n, bucket) / n
+    wire = 8 * coded.size / n
     return {"fused CPU (numba)": f"{8 * codec.payload_size(n, table.bits, bucket) / n:.3f}",
-            "fused entropy-coded": f"{8 * coded.size / n:.3f} (H + norms = "
-                                   f"{entropy + norms:.3f}: ×{8 * coded.size / n / (entropy + norms):.3f})"}
+            "fused entropy-coded": f"{wire:.3f} (H + norms = {entropy + norms:.3f}: "
+                                   f"×{wire / (entropy + norms):.3f})"}
 
 
 def write_report(args, benches, rows, load_start, load_end, elapsed) -> None:

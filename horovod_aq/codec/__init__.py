@@ -26,6 +26,12 @@ import numpy as np
 
 from horovod_aq.codec import reference as _reference
 from horovod_aq.codec.bits import pack_bits, unpack_bits
+from horovod_aq.codec.entropy import encode_entropy
+from horovod_aq.codec.entropy_format import (
+    empirical_entropy,
+    entropy_payload_size,
+    payload_length,
+)
 from horovod_aq.codec.format import (
     CHECKSUM_OFFSET,
     CODES_PER_GROUP,
@@ -92,12 +98,6 @@ from horovod_aq.codec.reference import (
     quantize_codes,
     rounding_variance,
 )
-from horovod_aq.codec.entropy import encode_entropy
-from horovod_aq.codec.entropy_format import (
-    empirical_entropy,
-    entropy_payload_size,
-    payload_length,
-)
 from horovod_aq.codec.stream import StreamKey, philox4x32, seed_for_rank, stream_uniforms
 from horovod_aq.levels.stats import bucket_moments
 
@@ -110,11 +110,13 @@ __all__ = [
     "as_bytes", "as_table", "bad_code_message", "bad_norm_message", "bucket_moments",
     "bucket_norms", "bucket_stats", "check_bits", "check_bool", "check_bucket_size",
     "check_checksum", "check_checksums", "check_data", "check_finite", "check_header", "check_int",
-    "check_norm", "check_norms", "empirical_entropy", "encode_entropy", "entropy_payload_size", "check_payload_norms", "check_rows", "check_size", "decode",
-    "decode_average", "draw_uniforms", "encode", "float32_levels", "make_header",
+    "check_norm", "check_norms", "check_payload_norms", "check_rows", "check_size", "decode",
+    "decode_average", "draw_uniforms", "empirical_entropy", "encode", "encode_entropy",
+    "entropy_payload_size", "float32_levels", "make_header",
     "non_finite_message", "nonfinite_payload", "nonfinite_rows", "norm_overflow_message",
     "num_buckets", "pack_bits", "packed_size", "pairwise_sum_rows", "parse_header", "parse_rows",
-    "payload_checksum", "payload_length", "payload_size", "philox4x32", "quantize", "quantize_codes",
+    "payload_checksum", "payload_length", "payload_size", "philox4x32", "quantize",
+    "quantize_codes",
     "rounding_variance", "seal_checksum", "seed_for_rank", "stream_uniforms", "unpack_bits",
 ]
 

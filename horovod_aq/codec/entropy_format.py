@@ -45,7 +45,8 @@ from horovod_aq.codec.format import (
 
 __all__ = [
     "BLOCK_SYMBOLS", "CODER_HEADER_FORMAT", "CODER_HEADER_SIZE", "CODE_TABLE_BITS", "GROUPS",
-    "LANES", "PRECISION", "STATE_LOW", "STEPS", "Body", "check_body", "code_table", "empirical_entropy",
+    "LANES", "PRECISION", "STATE_LOW", "STEPS", "Body", "check_body", "code_table",
+    "empirical_entropy",
     "entropy_payload_size", "group_symbols", "normalize_frequencies", "num_blocks",
     "num_symbols", "parse_body", "payload_length", "symbol_codes", "symbol_model",
 ]

@@ -82,7 +82,8 @@ from horovod_aq.levels.table import MAX_BITS, LevelTable
 
 __all__ = [
     "CHECKSUM_OFFSET", "CODES_PER_GROUP", "FLAGS_OFFSET", "FLAG_CHECKSUM", "FLAG_ENTROPY",
-    "FLAG_NONFINITE", "FLOAT32_TINY", "FORMAT_VERSION", "HEADER_FIELDS", "HEADER_FORMAT", "HEADER_SIZE", "Header",
+    "FLAG_NONFINITE", "FLOAT32_TINY", "FORMAT_VERSION", "HEADER_FIELDS", "HEADER_FORMAT",
+    "HEADER_SIZE", "Header",
     "MAGIC", "MARKER_INDEX_OFFSET", "MAX_BUCKET_SIZE", "MAX_NUMEL", "NORM_BYTES", "NORM_CODES",
     "NORM_NAMES", "NonFiniteGradientError", "PayloadError", "TABLE_ID_SLICE", "as_bytes",
     "as_table", "bad_code_message", "bad_norm_message", "check_bits", "check_bool",

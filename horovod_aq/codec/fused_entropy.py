@@ -55,7 +55,6 @@ from horovod_aq.codec.format import (
     check_payload_norms,
     check_size,
     float32_levels,
-    parse_header,
     payload_size,
 )
 from horovod_aq.codec.fused_kernels import _code_encoder
