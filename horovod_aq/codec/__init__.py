@@ -97,6 +97,7 @@ from horovod_aq.codec.reference import (
     quantize,
     quantize_codes,
     rounding_variance,
+    variable_rows,
 )
 from horovod_aq.codec.stream import StreamKey, philox4x32, seed_for_rank, stream_uniforms
 from horovod_aq.levels.stats import bucket_moments
@@ -118,6 +119,7 @@ __all__ = [
     "payload_checksum", "payload_length", "payload_size", "philox4x32", "quantize",
     "quantize_codes",
     "rounding_variance", "seal_checksum", "seed_for_rank", "stream_uniforms", "unpack_bits",
+    "variable_rows",
 ]
 
 
