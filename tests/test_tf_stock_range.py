@@ -6,9 +6,10 @@ Horovod's own fp16 and the range guard stops the step.
 Gradients whose coordinates all have magnitude 12000-13300 on 2 ranks (|r| ≈ 1/√B after the L2
 normalization, which QSGD 2-bit and NUQSGD 3-bit round up to the levels 1/3 and 1/8: an unscaled
 2-rank sum would reach 2.8e5 and 1.0e5, measured with the numpy codec, while Horovod's fp16 sum
-peaks at 2.7e4): the sum must stay finite, and the average of REPEATS steps must be unbiased — its squared error from the fp32
-average within [0.5, 2] x its expectation Σᵢ Var(avgᵢ)/REPEATS, computed from the table
-(stochastic rounding between levels a < r < b has variance (b − r)(r − a)·‖v‖²)."""
+peaks at 2.7e4): the sum must stay finite, and the average of REPEATS steps must be unbiased —
+its squared error from the fp32 average within [0.5, 2] x its expectation Σᵢ Var(avgᵢ)/REPEATS,
+computed from the table (stochastic rounding between levels a < r < b has variance
+(b − r)(r − a)·‖v‖²)."""
 
 from __future__ import annotations
 
