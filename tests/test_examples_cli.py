@@ -196,9 +196,35 @@ def test_cli_levels_from_a_gradient_dump(tmp_path, capsys):
     assert str(dump) in capsys.readouterr().out
 
 
+def test_cli_doctor_quick_check_runs_no_launch(capsys):
+    assert cli.main(["doctor"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert ("codec       encode/decode byte-identical to the numpy oracle, stock hook: numpy, "
+            "torch, tensorflow ... ok") in out
+    assert "quick checks passed; horovod-aq doctor --full also runs" in out
+    assert "self-test" not in out.split("quick checks passed")[0]
+
+
+def test_cli_doctor_finds_a_kernel_that_differs_from_the_oracle(monkeypatch, capsys):
+    from horovod_aq.torch import kernels
+
+    encode = kernels.encode
+
+    def flipped(*args, **kwargs):
+        out = encode(*args, **kwargs).clone()
+        out[-1] ^= 1
+        return out
+
+    monkeypatch.setattr(kernels, "encode", flipped)
+    assert cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert ("codec round trip (torch) failed: AssertionError: encode differs from the numpy "
+            "oracle's bytes") in out and "tensorflow ... FAILED" in out
+
+
 def test_cli_doctor_reports_missing_mpi(monkeypatch, capsys):
     monkeypatch.setattr(cli.shutil, "which", lambda name: None)
-    assert cli.main(["doctor", "--skip-selftest"]) == 1
+    assert cli.main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "mpirun not found" in out and "problems:" in out
 
@@ -212,14 +238,15 @@ def test_cli_doctor_reports_a_missing_framework(monkeypatch, capsys):
         return real(name, *a, **kw)
 
     monkeypatch.setattr(cli.importlib, "import_module", fake)
-    assert cli.main(["doctor", "--skip-selftest"]) == 1
+    assert cli.main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "no working TensorFlow extension" in out and "scripts/setup.sh --force" in out
+    assert "stock hook: numpy, torch ... ok" in out      # the codec is checked where it can be
 
 
 @pytest.mark.multiprocess
-def test_cli_doctor_passes_with_self_tests(capsys):
-    assert cli.main(["doctor"]) == 0, capsys.readouterr().out
+def test_cli_doctor_full_runs_the_self_tests(capsys):
+    assert cli.main(["doctor", "--full"]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
     assert "self-test   2 ranks, gloo" in out and "self-test   2 ranks, mpi" in out
     assert "all checks passed" in out

@@ -34,6 +34,7 @@ from horovod_aq.compressors.adaptive import (
     _Adaptive,
     prior_levels,
 )
+from horovod_aq.compressors.arguments import SettingTypeError
 from horovod_aq.compressors.base import (
     DEFAULT_TOP_K,
     DEFAULT_WEIGHTING,
@@ -65,6 +66,9 @@ _FIXED_WIDTH = (NoCompression, FP16, TernGrad)
 
 def from_name(method: str, **kwargs: Any) -> Compressor:
     """Build a compressor from its name ("alq", "qsgd", …), passing only the arguments it takes."""
+    if not isinstance(method, str):
+        raise SettingTypeError(f"from_name needs a compression name (a string), got {method!r} "
+                               f"({type(method).__name__}); choose from {sorted(METHODS)}")
     try:
         cls = METHODS[method.lower()]
     except KeyError:
