@@ -253,6 +253,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="configurations per launch (0: all of a seed in one launch)")
     p.add_argument("--controller", choices=["gloo", "mpi"], default="gloo")
     p.add_argument("--timeout", type=float, default=None, help="limit per launch (s)")
+    p.add_argument("--report", default=None,
+                   help="report name under benchmarks/results/ (default accuracy; --converged: "
+                        "accuracy_converged)")
     args = p.parse_args(argv)
     preset = {"epochs": 10.0, "lr": 0.05, "lr_schedule": "cosine", "bucket_size": 0} \
         if args.converged else {"epochs": 1.0, "lr": 0.02, "lr_schedule": "constant",
@@ -273,7 +276,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if unknown:
             p.error(f"unknown configurations {sorted(unknown)}; choose from {labels}")
     args.configs = [c for c in CONFIGS if chosen is None or c[0] in chosen]
-    args.report = "accuracy_converged" if args.converged else "accuracy"
+    args.report = args.report or ("accuracy_converged" if args.converged else "accuracy")
     if args.timeout is None:
         args.timeout = 600 if args.quick else 3 * 3600
     return args

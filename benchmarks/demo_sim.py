@@ -226,31 +226,32 @@ def run(config: str, seed: int, *, workers: int, epochs: int, lr: float, batch: 
 
 
 def summarize(runs: list[dict]) -> str:
-    """A Markdown table: per configuration, test accuracy, its paired difference to fp32, the
-    last epoch's training loss, γ and ρ (means over the diagnosed steps and the seeds)."""
+    """A Markdown table: per configuration and learning rate, test accuracy, its paired
+    difference to fp32 at that learning rate, the last epoch's training loss, γ and ρ (means over
+    the diagnosed steps and the seeds)."""
     from benchmarks import report
 
-    by_config: dict[str, dict[int, dict]] = {}
+    groups: dict[tuple[str, float], dict[int, dict]] = {}
     for r in runs:
-        by_config.setdefault(r["config"], {})[r["seed"]] = r
-    fp32 = by_config.get("fp32", {})
+        groups.setdefault((r["config"], r["lr"]), {})[r["seed"]] = r
     rows = []
-    for config, seeds in by_config.items():
-        acc = [100 * seeds[s]["test_acc"] for s in sorted(seeds)]
-        paired = [100 * (seeds[s]["test_acc"] - fp32[s]["test_acc"]) for s in sorted(seeds)
-                  if s in fp32]
-        loss = [seeds[s]["history"][-1]["train_loss"] for s in sorted(seeds)]
-        diag = [seeds[s]["summary"] for s in sorted(seeds) if "summary" in seeds[s]]
+    for (config, lr), seeds in groups.items():
+        fp32 = groups.get(("fp32", lr), {})
+        order = sorted(seeds)
+        acc = [100 * seeds[s]["test_acc"] for s in order]
+        paired = [100 * (seeds[s]["test_acc"] - fp32[s]["test_acc"]) for s in order if s in fp32]
+        loss = [seeds[s]["history"][-1]["train_loss"] for s in order]
+        diag = [seeds[s]["summary"] for s in order if "summary" in seeds[s]]
         spread = f" ± {np.std(paired, ddof=1):.2f}" if len(paired) > 1 else ""
-        rows.append([f"`{config}`", ", ".join(map(str, sorted(seeds))),
+        rows.append([f"`{config}`", f"{lr:g}", ", ".join(map(str, order)),
                      " / ".join(f"{a:.1f}" for a in acc) + f" (mean {np.mean(acc):.2f})",
                      f"{np.mean(paired):+.2f}{spread}" if paired and config != "fp32" else "—",
                      f"{np.mean(loss):.4f}",
                      f"{np.mean([d['gamma'] for d in diag]):.3f}" if diag else "—",
                      f"{np.mean([d['rho'] for d in diag]):.3f}" if diag else "—"])
     return report.markdown_table(
-        ["configuration", "seeds", "test accuracy (%) per seed", "minus fp32, paired (pt)",
-         "train loss, last epoch", "γ", "ρ"], rows)
+        ["configuration", "lr per rank", "seeds", "test accuracy (%) per seed",
+         "minus fp32, paired (pt)", "train loss, last epoch", "γ", "ρ"], rows)
 
 
 def main(argv=None) -> int:
@@ -291,7 +292,7 @@ def main(argv=None) -> int:
             runs = [json.loads(line) for line in f if line.strip()]
         notes = [f"Runs: every JSON line of {os.path.basename(args.out)} ({len(runs)} runs; "
                  "the grid ran in parts, each part with the command above and its --configs)",
-                 f"{args.workers} simulated ranks, {args.epochs} epochs, lr {args.lr} per rank "
+                 f"{args.workers} simulated ranks, {args.epochs} epochs, the row's lr per rank "
                  f"(× {args.workers}), batch {args.batch} per rank, SGD momentum 0.9",
                  "γ: E‖Q(x)−x‖²/‖x‖² per rank (exact expectation), ρ: E‖ḡ_Q − ḡ‖² ÷ the "
                  f"minibatch noise of ḡ; both every {args.diag_every} steps, mean over the run"]

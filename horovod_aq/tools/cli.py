@@ -247,7 +247,7 @@ def _horovodrun() -> str:
 #: One line of horovodrun's output: ``[rank]<stdout|stderr>:text`` (a regular expression).
 RANK_LINE = r"^\[(\d+)\]<(stdout|stderr)>:(.*)$"
 #: Lines of a run's output the demo shows (the rest is in the run's horovodrun.log).
-PROBLEM_LINE = r"\b(WARNING|ERROR|CRITICAL|Traceback|Error|error)\b"
+PROBLEM_LINE = r"\b(WARNING|ERROR|CRITICAL|Traceback)\b|\w+Error\b|exit with status code"
 
 
 class _DemoProgress:
