@@ -8,12 +8,14 @@ QSGDInf             uniform U-ref                   L∞      512         no
 NUQSGD              exponential, p = 1/2            L2      512         no
 TernGrad            {−1, 0, 1}                      L∞      512         no
 NaturalDithering    {0, ±2^(1−s), …, ±1}            L2/L∞   512         no
-ALQ / ALQN / ALQG   fitted (coordinate descent /    L2      1024        yes
+ALQ / ALQN / ALQG   fitted (coordinate descent /    L∞      256         yes
                     single normal / gradient)
-AMQ / AMQN          exponential with fitted p       L2      1024        yes
+AMQ / AMQN          exponential with fitted p       L∞ (*)  256         yes
 DQSGD               any of the above, per-step      —       —           as its family
                     bit width
 ==================  ==============================  ======  ==========  =========
+
+(*) AMQN: L2 from 3 bits. Adaptive defaults: docs/quantizers.md §5.6 (norm), §5.7 (bucket).
 
 ``base`` holds the :class:`Compressor` protocol every integration uses, ``fixed`` and
 ``adaptive`` the level families (docs/quantizers.md §2, §7, §8), ``dqsgd`` the dynamic width

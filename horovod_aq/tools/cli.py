@@ -4,8 +4,8 @@
                                  every framework (seconds); --full: 2-rank self-tests (minutes)
     horovod-aq levels --method alq --bits 3 --bucket-size 8192 [--dump grad.npy] [--plot f.png]
     horovod-aq bench [--quick]   kernel throughput and level-refit benchmarks
-    horovod-aq demo              train the PyTorch MNIST example on 2 local ranks twice, fp32
-                                 and ALQ 3-bit from the same seed, and compare them
+    horovod-aq demo              train the PyTorch MNIST example on 2 local ranks, fp32 and
+                                 ALQ 3-bit from the same seeds (0, 1, 2), and compare them
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_EPOCHS = 5
+#: The demo's seeds: one seed is noisy (fp32 itself moves by a point or more between seeds).
+DEMO_SEEDS = "0,1,2"
 DEMO_OUT = "demo_output"
 #: The demo's reference run: the same example with NoCompression (fp32 gradients).
 DEMO_BASELINE = "none"
@@ -330,82 +332,191 @@ def _horovodrun() -> str:
     return find()
 
 
-def _demo_label(compression: str, bits: int) -> str:
-    if compression == DEMO_BASELINE:
-        return "fp32"
-    return "fp16" if compression == "fp16" else f"{compression.upper()} {bits}-bit"
+#: One line of horovodrun's output: ``[rank]<stdout|stderr>:text`` (a regular expression).
+RANK_LINE = r"^\[(\d+)\]<(stdout|stderr)>:(.*)$"
+#: Lines of a run's output the demo shows (the rest is in the run's horovodrun.log).
+PROBLEM_LINE = r"\b(WARNING|ERROR|CRITICAL|Traceback)\b|\w+Error\b|exit with status code"
 
 
-def _demo_run(args: argparse.Namespace, compression: str, out: str) -> dict | int:
+class _DemoProgress:
+    """One progress bar over every epoch of every run (tqdm, when installed and wanted), or
+    none; :meth:`write` prints above the bar."""
+
+    def __init__(self, total: int, show: bool) -> None:
+        self.bar = None
+        if show:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self.bar = tqdm(total=total, unit="epoch", desc="demo", dynamic_ncols=True,
+                                file=sys.stderr)
+
+    def update(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _demo_run(args: argparse.Namespace, compression: str, seed: int, out: str,
+              progress: _DemoProgress) -> dict | int:
     """One run of the example under horovodrun into ``out``; what it recorded, or its exit code.
 
-    The bytes are rank 0's telemetry (``telemetry.jsonl``: what the packed optimizer put on the
-    wire each step), summed over the run."""
+    The example runs without its own bar (horovodrun prefixes every line of every rank); its
+    whole output goes to ``out/horovodrun.log``, rank 0's epoch lines advance ``progress``, and
+    only warnings and errors are shown. The bytes are rank 0's telemetry (``telemetry.jsonl``:
+    what the packed optimizer put on the wire each step), summed over the run."""
+    import re
+
+    rank_line, problem_line = re.compile(RANK_LINE), re.compile(PROBLEM_LINE)
+    os.makedirs(out, exist_ok=True)
     for stale in ("metrics.json", "telemetry.jsonl"):
         if os.path.exists(os.path.join(out, stale)):
             os.remove(os.path.join(out, stale))
     cmd = [_horovodrun(), "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo",
            sys.executable, _repo_path("examples", "pytorch_mnist.py"),
-           "--compression", compression, "--bits", str(args.bits), "--seed", str(args.seed),
-           "--epochs", str(args.epochs), "--out", out] + (
-               ["--no-progress"] if args.no_progress else [])
+           "--compression", compression, "--bits", str(args.bits), "--seed", str(seed),
+           "--epochs", str(args.epochs), "--out", out, "--no-progress"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
-    print("$ " + " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode:
-        return proc.returncode
+    log_path = os.path.join(out, "horovodrun.log")
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace")
+        for line in proc.stdout:
+            log.write(line)
+            m = rank_line.match(line)
+            text = (m.group(3) if m else line).rstrip("\n")
+            if m and m.group(1) == "0" and m.group(2) == "stdout" and text.startswith("epoch "):
+                progress.update()
+            elif problem_line.search(text):
+                progress.write(f"  {line.rstrip()}")
+        returncode = proc.wait()
+    if returncode:
+        with open(log_path) as f:
+            tail = f.readlines()[-40:]
+        progress.write(f"demo: {compression} seed {seed} failed (exit {returncode}); the end of "
+                       f"{log_path}:\n" + "".join(tail))
+        return returncode
     with open(os.path.join(out, "metrics.json")) as f:
         metrics = json.load(f)
     with open(os.path.join(out, "telemetry.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    return {"label": _demo_label(compression, args.bits), "out": out,
+    return {"label": metrics["summary"]["label"], "out": out, "seed": seed,
             "summary": metrics["summary"], "epochs": metrics["epochs"],
             "steps": len(records), "bytes_sent": sum(r["bytes_sent"] for r in records)}
 
 
+def _mean_epochs(runs: list[dict]) -> list[dict]:
+    """The epochs of several seeds' runs, averaged field by field (step losses step by step)."""
+    out = []
+    for epochs in zip(*(r["epochs"] for r in runs)):
+        mean = {k: float(np.mean([e[k] for e in epochs]))
+                for k in ("train_loss", "test_loss", "test_acc")}
+        mean["step"] = epochs[0]["step"]
+        if all("step_loss" in e for e in epochs):
+            mean["step_loss"] = np.mean([e["step_loss"] for e in epochs], axis=0).tolist()
+        out.append(mean)
+    return out
+
+
+def _paired(diffs: list[float]) -> str:
+    """Mean of the per-seed differences (points), with their sample std for several seeds."""
+    mean = float(np.mean(diffs))
+    return f"{mean:+.1f} pt" + (f" ± {float(np.std(diffs, ddof=1)):.1f}" if len(diffs) > 1
+                                else "")
+
+
 def demo(args: argparse.Namespace) -> int:
-    """fp32 (NoCompression) and ``--compression`` from the same seed, one figure, one line."""
+    """fp32 (NoCompression) and ``--compression`` from the same seeds, one figure, one line."""
     if args.compression == DEMO_BASELINE:
         print(f"demo: --compression {DEMO_BASELINE} is the baseline itself; pick a quantizer",
               file=sys.stderr)
         return 2
+    try:
+        seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds:
+        print(f"demo: --seeds must be a comma-separated list of integers, got {args.seeds!r}",
+              file=sys.stderr)
+        return 2
     out = os.path.abspath(args.out)
-    runs = []
-    for compression in (DEMO_BASELINE, args.compression):
-        name = "fp32" if compression == DEMO_BASELINE else f"{compression}{args.bits}"
-        run = _demo_run(args, compression, os.path.join(out, name))
-        if isinstance(run, int):
-            return run
-        runs.append(run)
-    base, comp = runs
-    problems = [f"{key}: {base['summary'].get(key)} vs {comp['summary'].get(key)}"
-                for key in ("init_fingerprint", "order_fingerprint", "steps")
-                if base["summary"].get(key) != comp["summary"].get(key)]
-    if base["steps"] != comp["steps"] or not comp["bytes_sent"]:
-        problems.append(f"telemetry: {base['steps']} vs {comp['steps']} steps recorded, "
-                        f"{base['bytes_sent']} vs {comp['bytes_sent']} bytes")
+    names = ("fp32", f"{args.compression}{args.bits}")
+    print(f"demo: the MNIST example on {args.np} local ranks, {args.epochs} epochs, "
+          f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}: fp32 and "
+          f"--compression {args.compression} --bits {args.bits}, with the same hyperparameters, "
+          "initial weights and sample order for both", flush=True)
+    progress = _DemoProgress(2 * len(seeds) * args.epochs, show=not args.no_progress)
+    pairs = []
+    try:
+        for seed in seeds:
+            pair = []
+            for compression, name in zip((DEMO_BASELINE, args.compression), names):
+                run = _demo_run(args, compression, seed, os.path.join(out, name, f"seed{seed}"),
+                                progress)
+                if isinstance(run, int):
+                    return run
+                progress.write(f"  seed {seed}: {run['label']:<12} test accuracy "
+                               f"{100 * run['summary']['test_acc']:.1f}%")
+                pair.append(run)
+            pairs.append(pair)
+    finally:
+        progress.close()
+    problems = []
+    for base, comp in pairs:
+        problems += [f"seed {base['seed']}: {key}: {base['summary'].get(key)} vs "
+                     f"{comp['summary'].get(key)}"
+                     for key in ("init_fingerprint", "order_fingerprint", "steps")
+                     if base["summary"].get(key) != comp["summary"].get(key)]
+        if base["steps"] != comp["steps"] or not comp["bytes_sent"]:
+            problems.append(f"seed {base['seed']}: telemetry: {base['steps']} vs "
+                            f"{comp['steps']} steps recorded, {base['bytes_sent']} vs "
+                            f"{comp['bytes_sent']} bytes")
     if problems:
         print("demo: the two runs did not start alike or did not record the same steps: "
               + "; ".join(problems), file=sys.stderr)
         return 1
+    base_label, comp_label = pairs[0][0]["label"], pairs[0][1]["label"]
+    acc = {k: [100 * p[i]["summary"]["test_acc"] for p in pairs] for i, k in enumerate("bc")}
+    diffs = [c - b for b, c in zip(acc["b"], acc["c"])]
     figure = os.path.join(out, "curves.png")
+    seed_text = (f"seed {seeds[0]}" if len(seeds) == 1
+                 else f"mean over seeds {', '.join(map(str, seeds))}")
     try:
         from horovod_aq.tools import plots
 
-        plots.plot_steps({r["label"]: r["epochs"] for r in runs}, figure,
-                         title=f"MNIST subset, {args.np} ranks, seed {args.seed}: "
-                               f"{base['label']} vs {comp['label']}")
+        plots.plot_steps({label: _mean_epochs([p[i] for p in pairs])
+                          for i, label in enumerate((base_label, comp_label))}, figure,
+                         title=f"MNIST subset, {args.np} ranks, {seed_text}: {base_label} vs "
+                               f"{comp_label}")
     except ImportError as exc:
         figure = f"none ({exc})"
-    ratio = base["bytes_sent"] / comp["bytes_sent"]
+    sent = {k: sum(p[i]["bytes_sent"] for p in pairs) for i, k in enumerate("bc")}
+    steps = sum(p[1]["steps"] for p in pairs)
+    bits = float(np.mean([p[1]["summary"]["bits_per_coordinate"] for p in pairs]))
     mib = 2.0 ** 20
-    print(f"\ndemo done: test accuracy {base['label']} {100 * base['summary']['test_acc']:.1f}%, "
-          f"{comp['label']} {100 * comp['summary']['test_acc']:.1f}% (seed {args.seed}, same "
-          f"initial weights and sample order); {comp['label']} sent {ratio:.1f}x fewer "
-          f"gradient bytes than {base['label']} ({comp['bytes_sent'] / mib:.2f} vs "
-          f"{base['bytes_sent'] / mib:.2f} MiB over {comp['steps']} steps, rank 0 telemetry; "
-          f"{comp['summary']['bits_per_coordinate']:.2f} bits per coordinate); "
-          f"figure {figure}, runs in {out}/", flush=True)
+    gap = float(np.mean(diffs))
+    where = "above" if gap > 0 else "below"
+    note = ("" if len(seeds) > 1 else "; one seed is noisy, fp32 itself moves by a point or more "
+            "between seeds: --seeds 0,1,2 gives a mean")
+    print(f"\ndemo done: {comp_label} is {abs(gap):.1f} pt {where} fp32 in test accuracy, "
+          f"{seed_text} ({base_label} {np.mean(acc['b']):.1f}%, {comp_label} "
+          f"{np.mean(acc['c']):.1f}%; paired by seed, same initial weights and sample order: "
+          f"{_paired(diffs)}{note}); {comp_label} sent {sent['b'] / sent['c']:.1f}x fewer "
+          f"gradient bytes than {base_label} ({sent['c'] / mib:.2f} vs {sent['b'] / mib:.2f} "
+          f"MiB over {steps} steps, rank 0 telemetry; {bits:.2f} bits per coordinate); figure "
+          f"{figure}, runs in {out}/", flush=True)
     return 0
 
 
@@ -433,16 +544,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--quick", action="store_true")
     b.set_defaults(fn=bench)
     dm = sub.add_parser("demo", help="train the PyTorch example on 2 local ranks, fp32 and "
-                        "ALQ 3-bit from the same seed, and compare")
+                        "ALQ 3-bit from the same seeds, and compare")
     dm.add_argument("--np", type=int, default=2)
     dm.add_argument("--compression", default="alq", help="the run compared with fp32")
     dm.add_argument("--bits", type=int, default=3)
     dm.add_argument("--epochs", type=int, default=DEMO_EPOCHS)
-    dm.add_argument("--seed", type=int, default=0, help="the same for both runs")
+    dm.add_argument("--seeds", default=DEMO_SEEDS,
+                    help="comma-separated seeds; each trains both runs from the same weights")
     dm.add_argument("--out", default=DEMO_OUT,
-                    help="runs go to OUT/fp32 and OUT/<compression><bits>, the figure to "
-                         "OUT/curves.png")
-    dm.add_argument("--no-progress", action="store_true", help="no progress bars")
+                    help="runs go to OUT/fp32/seed<k> and OUT/<compression><bits>/seed<k>, the "
+                         "figure (mean over the seeds) to OUT/curves.png")
+    dm.add_argument("--no-progress", action="store_true", help="no progress bar")
     dm.set_defaults(fn=demo)
     args = p.parse_args(argv)
     return int(args.fn(args) or 0)
