@@ -351,10 +351,11 @@ def raise_nonfinite(exchange="auto"):
 
 def overflow_marker(exchange="auto"):
     """Rank 1's finite gradient has a bucket whose norm overflows float32: every rank raises the
-    same NonFiniteGradientError (a marker, as for NaN), instead of one rank failing to encode."""
+    same NonFiniteGradientError (a marker, as for NaN), instead of one rank failing to encode.
+    L2 norms: an L-inf norm (ALQ's default) of finite values is finite, it cannot overflow."""
     import torch.distributed as dist
 
-    model, net, comp, state, opt = _setup(exchange=exchange)
+    model, net, comp, state, opt = _setup(exchange=exchange, norm="l2")
     if dist.get_rank() == 1:
         dict(model.named_parameters())["2.weight"].register_hook(
             lambda g: torch_full_like(g, 1e38))
