@@ -18,7 +18,7 @@ from horovod_aq.levels.table import LevelTable
 tf = pytest.importorskip("tensorflow")
 pytest.importorskip("horovod.tensorflow")
 
-from horovod_aq.tensorflow.state import graph_bucket_stats, tf_state  # noqa: E402
+from horovod_aq.tensorflow.state import graph_bucket_moments, tf_state  # noqa: E402
 
 BUCKET = 64
 
@@ -73,7 +73,7 @@ def test_recorded_statistics_match_the_codec():
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
     assert comp.wants_histogram  # ALQ's default model: the histogram is recorded too
     np.testing.assert_allclose(stats[0][3], normalized_histogram(x, BUCKET), rtol=1e-12)
-    norms, means, stds = (t.numpy() for t in graph_bucket_stats(tf.constant(x), BUCKET))
+    norms, means, stds = (t.numpy() for t in graph_bucket_moments(tf.constant(x), BUCKET))
     assert norms.size == x.size // BUCKET and norms[1] == 0 and means[1] == 0 and stds[1] == 0
 
 
