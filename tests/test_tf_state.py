@@ -147,7 +147,7 @@ def test_error_feedback_memory_variables_follow_the_core():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "int64",
                                    "uint32", "bool", "uint8", "int8"])
 def test_variable_bytes_roundtrip(dtype):
-    from horovod_aq.tensorflow.keras import _as_bytes, _from_bytes
+    from horovod_aq.tensorflow.callbacks import _as_bytes, _from_bytes
 
     rng = np.random.default_rng(0)
     for shape in [(), (3,), (2, 5)]:

@@ -58,30 +58,21 @@ import tensorflow as tf
 
 from horovod_aq.compressors import NoCompression
 from horovod_aq.packed.cost import NetworkModel
-from horovod_aq.packed.plan import op_name
+from horovod_aq.packed.plan import DEFAULT_FUSION_BYTES, op_name
 from horovod_aq.packed.protocol import check_average
 from horovod_aq.telemetry import Telemetry
 from horovod_aq.tensorflow import compat
-from horovod_aq.tensorflow.callbacks import (  # noqa: F401  (older import paths)
+from horovod_aq.tensorflow.aggregation import GradientReducer, LocalAggregation
+from horovod_aq.tensorflow.callbacks import (
     BroadcastGlobalVariablesCallback,
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
     MetricAverageCallback,
     RefitCallback,
-    _as_bytes,
-    _from_bytes,
-    _read,
     broadcast_variables,
 )
-from horovod_aq.tensorflow.callbacks import check_model as _check_model  # noqa: F401
-from horovod_aq.tensorflow.packed import (
-    DEFAULT_FUSION_BYTES,
-    GradientReducer,
-    LocalAggregation,
-    PackedExchange,
-    dense_gradient,
-    exchange_for,
-)
+from horovod_aq.tensorflow.packed import PackedExchange, exchange_for
+from horovod_aq.tensorflow.sources import dense_gradient
 from horovod_aq.tensorflow.tape import _as_layers, check_horovod_defaults, resolve_compression
 
 compat.install()
