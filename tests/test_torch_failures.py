@@ -526,7 +526,7 @@ def test_first_unsendable_flags_norms_past_float32():
 
 
 def test_stall_timeout_setting(monkeypatch):
-    from horovod_aq.packed.protocol import (
+    from horovod_aq.packed.waiting import (
         DEFAULT_STALL_TIMEOUT_S,
         STALL_TIMEOUT_ENV,
         ExchangeStalledError,
@@ -547,7 +547,7 @@ def test_stall_timeout_setting(monkeypatch):
     assert "'aq.ag.b'" in str(err) and "step 7" in str(err) and "different collective" in str(err)
 
 
-def test_content_names_and_legacy_names():
+def test_content_names_and_the_handshake_name():
     from horovod_aq.packed import plan
 
     key = plan.exchange_key("qsgd3b4", [("a", 6), ("b", 9)], ("auto", 100))
@@ -555,13 +555,11 @@ def test_content_names_and_legacy_names():
     assert key.startswith("qsgd3b4.c")
     assert key != plan.exchange_key("qsgd3b4", [("a", 6), ("b", 10)], ("auto", 100))
     assert key != plan.exchange_key("qsgd3b4", [("a", 6), ("b", 9)], ("two_phase", 100))
-    assert plan.handshake_name("torch", 0) == "aq.handshake.torch.0"
-    assert plan.handshake_name(3, 1) == "aq.handshake.x3.1"          # TensorFlow's, unchanged
-    assert plan.exchange_prefix("alq3b1024", 2) == "alq3b1024.x2"
+    assert plan.handshake_name() == "aq.handshake"   # one name, every framework
 
 
 def test_joined_rows_are_rows_without_the_magic():
-    from horovod_aq.packed.protocol import joined_message, joined_rows
+    from horovod_aq.packed.receive import joined_message, joined_rows
 
     assert joined_rows(np.array([[65, 81], [0, 0], [65, 81]], dtype=np.uint8)) == [1]
     assert joined_rows(np.array([[65, 81]], dtype=np.uint8)) == []

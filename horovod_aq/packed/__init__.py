@@ -1,3 +1,10 @@
-"""The packed exchange's framework-free parts: the cost model (``cost``), the bucket plan and
-collective names (``plan``), and the per-rank protocol (``protocol``: argument checks, handshake,
-non-finite decision, telemetry). See docs/protocol.md §3–§8."""
+"""The packed exchange's framework-free parts, one job per module (docs/protocol.md §3–§8, §15):
+
+* ``cost``: the cost model (which wire a bucket takes); ``plan``: the bucket plan and the name of
+  every collective; ``protocol``: argument checks, handshake, errors, telemetry;
+* the per-rank decisions every framework's exchange calls: ``send`` (the order of a bucket's
+  send and its error-feedback update), ``marker`` (what replaces payloads that cannot travel),
+  ``receive`` (ok / skip / raise on the rows a collective delivered), ``params`` (element →
+  parameter), ``chunks`` (the real coordinates of a two-phase chunk), ``waiting`` (polls with a
+  stall deadline).
+"""

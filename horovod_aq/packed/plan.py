@@ -6,13 +6,12 @@ Fusion (docs/protocol.md §6): tensors are fused in backward order into buckets 
 compressor's name, a digest of the exchange's content (:func:`exchange_key`: the tensors' names
 and sizes and the settings), the bucket's position and a CRC-32 of its members' names, so it is
 identical on every rank that builds the same model, whatever other objects a rank created —
-never Horovod's counter names, nor a per-process counter (:func:`next_exchange_index` and
-:func:`exchange_prefix` are kept for callers that still name exchanges by creation order).
+never Horovod's counter names, nor a per-process counter. The first-exchange handshake has one
+fixed name for every exchange of every framework (:func:`handshake_name`).
 """
 
 from __future__ import annotations
 
-import itertools
 import re
 import zlib
 from collections.abc import Iterable
@@ -25,24 +24,9 @@ from horovod_aq.packed.cost import NetworkModel, resolve_exchange
 #: default bucket cap).
 DEFAULT_FUSION_BYTES = 25 * 2**20
 
-_exchange_indices = itertools.count()
-
-
-def next_exchange_index() -> int:
-    """The index of a new packed exchange in this process (the same order on every rank)."""
-    return next(_exchange_indices)
-
-
 def op_name(text: str) -> str:
     """A Horovod/TF op name: no '/' (Horovod strips name scopes up to the last one) or ':'."""
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", text)
-
-
-def exchange_prefix(compression_name: str, index: int) -> str:
-    """The name prefix of the packed exchange created ``index``-th in this process (legacy:
-    differs across ranks that created different numbers of exchanges; use
-    :func:`exchange_key`)."""
-    return op_name(f"{compression_name}.x{index}")
 
 
 def exchange_key(compression_name: str, tensors: Iterable[tuple[str, int]],
@@ -77,14 +61,14 @@ def allreduce_name(prefix: str, tensor: str) -> str:
     return f"aq.ar.{prefix}.{op_name(tensor)}"
 
 
-def handshake_name(index: int | str, plan: int) -> str:
-    """The first-exchange check of layout ``plan`` of an exchange: ``index`` is its content key
-    (:func:`exchange_key`, preferred; the name then depends on the model's tensors only, not on
-    the settings it compares, so ranks that disagree on those meet in it — docs/protocol.md §3)
-    or, for older callers, its creation index (``aq.handshake.x<index>.<plan>``)."""
-    if isinstance(index, str):
-        return f"aq.handshake.{op_name(index)}.{plan}"
-    return f"aq.handshake.x{index}.{plan}"
+def handshake_name() -> str:
+    """The allgather of the first-exchange check, the same for every packed exchange of every
+    framework (PyTorch optimizer, DDP hook, TensorFlow tape and Keras): it must not depend on
+    the model, the settings or the layout it compares, so that ranks that disagree on any of
+    them still meet in it and all raise ``ConfigMismatchError`` instead of waiting in different
+    collectives (docs/protocol.md §3). A process runs one handshake at a time, so one name
+    never has two collectives in flight."""
+    return "aq.handshake"
 
 
 @dataclass(frozen=True)

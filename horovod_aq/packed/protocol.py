@@ -1,14 +1,16 @@
 """The per-rank decisions of the packed exchange, written once for every framework.
 
-Both integrations (``horovod_aq.torch.DistributedOptimizer``, the TensorFlow
-``PackedExchange`` behind the tape and the Keras optimizer) call these and only move tensors:
+Every integration (``horovod_aq.torch.DistributedOptimizer``, the DDP hook, the TensorFlow
+``PackedExchange`` behind the tape and the Keras optimizer) calls these and only moves tensors;
+the decisions of a bucket's send and receive are the sibling modules' (``send``, ``marker``,
+``receive``, ``params``, ``chunks``, ``waiting``):
 
 * :class:`ExchangeSettings` — the user's arguments, validated with errors that name them;
   :func:`check_exchange_args` — the same checks as one function (types included) for the
   integrations to call at construction;
 * :func:`check_compression` / :func:`check_average` — what a packed exchange accepts;
-* the first-exchange handshake: :func:`handshake_vector` / :func:`check_handshake`
-  (docs/protocol.md §3);
+* the first-exchange handshake: :func:`handshake` over the integration's ``Comm``
+  (:func:`handshake_vector`, :func:`check_handshake`; docs/protocol.md §3);
 * the non-finite decision's message (docs/protocol.md §4): :func:`nonfinite_message`, whose
   pieces :func:`nonfinite_pieces` also build the TensorFlow graph assertion, so both frameworks
   raise the same text;
@@ -33,7 +35,7 @@ from horovod_aq.packed.cost import (
     bytes_sent,
     payload_bytes_of,
 )
-from horovod_aq.packed.plan import DEFAULT_FUSION_BYTES, BucketPlan
+from horovod_aq.packed.plan import DEFAULT_FUSION_BYTES, BucketPlan, handshake_name
 from horovod_aq.telemetry import StepRecord
 
 #: Start of the non-finite error's message (TensorFlow translates graph assertions by it).
@@ -44,81 +46,6 @@ NONFINITE_REMEDY = ("every rank stops here. Lower the learning rate or use loss 
 
 class ConfigMismatchError(ValueError):
     """Ranks disagree on compressor settings, level table, step or the tensors exchanged."""
-
-
-class ExchangeStalledError(RuntimeError):
-    """A collective of the packed exchange did not complete within the stall timeout.
-
-    Attributes: ``collective`` (its name), ``bucket``, ``step``, ``doing`` (what this rank was
-    doing), ``timeout_s``. Horovod's stall inspector only warns; the packed exchange ends the
-    wait on every rank that is stuck, so a mismatched rank ends the job instead of hanging.
-    """
-
-    def __init__(self, collective: str, *, bucket: str | None, step: int, doing: str,
-                 timeout_s: float) -> None:
-        self.collective, self.bucket, self.step = collective, bucket, step
-        self.doing, self.timeout_s = doing, timeout_s
-        super().__init__(stalled_message(collective, bucket=bucket, step=step, doing=doing,
-                                         timeout_s=timeout_s))
-
-
-class JoinedRankError(RuntimeError):
-    """A rank called ``hvd.join()`` while the others still exchange packed gradients."""
-
-
-def joined_rows(magic: Any) -> list[int]:
-    """The ranks whose gathered row starts with zero bytes instead of the payload magic: under
-    ``hvd.join()`` Horovod fills a joined rank's part of a collective with zeros."""
-    magic = np.asarray(magic, dtype=np.uint8).reshape(len(magic), -1)
-    return [r for r in range(magic.shape[0]) if not magic[r].any()]
-
-
-def joined_message(ranks: Sequence[int], collective: str) -> str:
-    """Why the ranks still training stop when others joined (docs/protocol.md §15)."""
-    return (f"horovod_aq: rank(s) {', '.join(map(str, ranks))} called hvd.join() (Horovod sent "
-            f"zeros in their place in '{collective}'): the packed exchange needs every rank's "
-            "payload, and joined ranks send none. Run the same number of steps on every rank "
-            "(e.g. drop_last=True, or equal shards per rank), or train the uneven tail with "
-            "hvd.DistributedOptimizer, whose allreduce counts joined ranks as zeros")
-
-
-#: Default seconds a packed exchange waits for one collective before raising
-#: :class:`ExchangeStalledError` (generous: a slow first step compiles kernels and connects).
-DEFAULT_STALL_TIMEOUT_S = 300.0
-#: Environment override of the stall timeout (seconds; 0 or less: wait forever).
-STALL_TIMEOUT_ENV = "HOROVOD_AQ_STALL_TIMEOUT_S"
-
-
-def stall_timeout_s(value: Any = None) -> float | None:
-    """The stall timeout in seconds: ``value`` if given, else ``$HOROVOD_AQ_STALL_TIMEOUT_S``,
-    else :data:`DEFAULT_STALL_TIMEOUT_S`; None (wait forever) for 0 or less."""
-    import os
-
-    if value is None:
-        text = os.environ.get(STALL_TIMEOUT_ENV, "").strip()
-        try:
-            value = float(text) if text else DEFAULT_STALL_TIMEOUT_S
-        except ValueError:
-            raise ValueError(f"{STALL_TIMEOUT_ENV} must be a number of seconds, got "
-                             f"{text!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"stall_timeout_s must be a number of seconds or None, got {value!r}")
-    value = float(value)
-    if value != value:
-        raise ValueError("stall_timeout_s must not be NaN")
-    return value if value > 0 else None
-
-
-def stalled_message(collective: str, *, bucket: str | None, step: int, doing: str,
-                    timeout_s: float) -> str:
-    """The message of :class:`ExchangeStalledError`."""
-    where = f" of bucket {bucket}" if bucket else ""
-    return (f"horovod_aq: collective '{collective}'{where} did not complete within "
-            f"{timeout_s:g} s at step {step} while this rank was {doing}. The other ranks are "
-            "presumably in a different collective (they ran a different number of steps or "
-            "backward passes, stepped another optimizer, skipped a step, called hvd.join(), "
-            "or stopped). Every rank must run the same steps on the same optimizers; raise "
-            f"stall_timeout_s (or ${STALL_TIMEOUT_ENV}) if the exchange is only slow")
 
 
 # ---------------------------------------------------------------------- arguments
@@ -196,6 +123,15 @@ def handshake_vector(fingerprint: np.ndarray, layout: int, ranks: int) -> np.nda
     """What each rank contributes to the first-exchange agreement check (int64)."""
     return np.concatenate([np.asarray(fingerprint, dtype=np.int64),
                            [layout, ranks]]).astype(np.int64)
+
+
+def handshake(comm: Any, compression: Any, layout: int) -> None:
+    """The first-exchange check of one layout over the integration's :class:`~horovod_aq.refit.
+    Comm` (docs/protocol.md §3): one allgather, named :func:`~horovod_aq.packed.plan.
+    handshake_name`, of :func:`handshake_vector`; :func:`check_handshake` then raises the same
+    :class:`ConfigMismatchError` on every rank if any row differs."""
+    mine = handshake_vector(compression.fingerprint(), layout, comm.size)
+    check_handshake(comm.allgather(mine, handshake_name()), compression.describe_fingerprint)
 
 
 def check_handshake(gathered: np.ndarray, describe: Callable[[np.ndarray], str]) -> None:

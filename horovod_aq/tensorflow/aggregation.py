@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-from horovod_aq.packed.plan import op_name
 from horovod_aq.tensorflow.sources import dense_gradient, source_name, static_shape
 from horovod_aq.tensorflow.state import state_variable
 
@@ -174,5 +173,5 @@ def aggregation_for(exchange: PackedExchange, passes: int) -> LocalAggregation:
         found = exchange.aggregations.get(passes)
         if found is None:
             found = exchange.aggregations[passes] = LocalAggregation(
-                passes, f"{op_name(exchange.prefix)}_tape{passes}")
+                passes, f"{exchange.label}_tape{passes}")
     return found

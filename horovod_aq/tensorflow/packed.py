@@ -80,7 +80,6 @@ class _Plan:
     offsets: dict[int, int]          # source position -> offset inside its bucket
     fns: dict = dataclasses.field(default_factory=dict)  # eager entries by "raise" flag
     checked: bool = False
-    handshake: str = ""              # the handshake collective's name (content, not counters)
     content: str = ""                # the layout's content key (bucket and allreduce names)
     traffic: dict[int, Traffic] = dataclasses.field(default_factory=dict)  # by code width
 
@@ -134,19 +133,20 @@ class PackedExchange:
         self.settings = settings
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.index = index                        # among this compression's exchanges
-        self.prefix = names.exchange_prefix(compression.name, index)
+        #: a process-local label of this exchange's variables (never a collective's name)
+        self.label = op_name(f"{compression.name}.x{index}")
         self.included = bool(process_set.included())
         self.ranks = process_set.size() if self.included else 1
         self.active = self.included and self.ranks > 1
         self._state: TFState = tf_state(compression)
         self._plans: dict[tuple, _Plan] = {}
         self._plan_list: list[_Plan] = []
-        self._calls = state_variable(np.int64(0), name=f"aq_calls_{op_name(self.prefix)}")
-        self._plan_id = state_variable(np.int64(-1), name=f"aq_plan_{op_name(self.prefix)}")
-        self._skipped = state_variable(np.int64(0), name=f"aq_skipped_{op_name(self.prefix)}")
+        self._calls = state_variable(np.int64(0), name=f"aq_calls_{self.label}")
+        self._plan_id = state_variable(np.int64(-1), name=f"aq_plan_{self.label}")
+        self._skipped = state_variable(np.int64(0), name=f"aq_skipped_{self.label}")
         #: DQSGD: float64 Σ‖decoded aggregate‖² of the exchanges since the last refit.
         self._aggregate_sq = (state_variable(np.float64(0.0),
-                                             name=f"aq_aggregate_sq_{op_name(self.prefix)}")
+                                             name=f"aq_aggregate_sq_{self.label}")
                               if self._state.dynamic else None)
         self._calls_seen = 0
         self._skipped_seen = 0
@@ -332,11 +332,7 @@ class PackedExchange:
         small = [order[m] for m in small]
         plan = _Plan(len(self._plan_list), source_names, shapes, buckets, small,
                      layout_digest(buckets, [source_names[i] for i in small]), {})
-        #: the handshake's name depends on the sources only, so ranks that disagree on the
-        #: settings it compares still meet in it
         plan.content = content
-        plan.handshake = names.handshake_name(
-            names.exchange_key("tf", zip(source_names, numels)), 0)
         for b in buckets:
             offset = 0
             for m in b.members:
@@ -352,7 +348,7 @@ class PackedExchange:
         mine = handshake_vector(comp.fingerprint(), plan.layout, self.ranks)
         with tf.init_scope():
             gathered = hvd.allgather(tf.constant(mine[None, :]),
-                                     name=plan.handshake,
+                                     name=names.handshake_name(),
                                      process_set=self.process_set).numpy()
         plan.checked = True
         check_handshake(gathered, comp.describe_fingerprint)

@@ -22,7 +22,7 @@ Exchange (docs/protocol.md §5; the per-rank decisions are :mod:`horovod_aq.pack
   go through a named Horovod allreduce ("aq.ar.<prefix>.<param>"), fp16 for
   :class:`~horovod_aq.FP16`.
 * At the first exchange the ranks compare settings, level table, step and bucket layout with one
-  allgather ("aq.handshake.x<k>.0") and all fail with the same message on a mismatch — no hang.
+  allgather ("aq.handshake") and all fail with the same message on a mismatch — no hang.
 * After each ``synchronize`` the compressor's ``end_step`` runs the refit protocol when its
   schedule says so (stats gathered to rank 0, fitted, broadcast; mpi4py under the MPI
   controller) and telemetry records the step.
@@ -76,26 +76,23 @@ from horovod_aq.packed.plan import (
     DEFAULT_FUSION_BYTES,
     BucketPlan,
     layout_digest,
-    next_exchange_index,
     plan_buckets,
 )
 from horovod_aq.packed.protocol import (
     ConfigMismatchError,
     ExchangeSettings,
-    ExchangeStalledError,
-    JoinedRankError,
     Traffic,
     check_compression,
     check_handshake,
     first_unsendable,
     handshake_vector,
-    joined_message,
-    joined_rows,
     nonfinite_message,
     plan_traffic,
     step_record,
 )
-from horovod_aq.packed.protocol import stall_timeout_s as stall_timeout_s_of
+from horovod_aq.packed.receive import JoinedRankError, joined_message, joined_rows
+from horovod_aq.packed.waiting import ExchangeStalledError
+from horovod_aq.packed.waiting import stall_timeout_s as stall_timeout_s_of
 from horovod_aq.telemetry import Telemetry
 from horovod_aq.torch import kernels
 from horovod_aq.torch.comm import comm_for
@@ -104,10 +101,6 @@ logger = logging.getLogger(__name__)
 #: What the packed optimizer times per step (``StepRecord.extra[<name>_s]``): encoding the
 #: payloads, decoding and averaging them, and waiting for the collectives.
 TIMED = ("encode", "decode", "wait")
-#: The first-exchange handshake's name key: the same for every packed torch optimizer, so that
-#: ranks that disagree on the model or the settings (hence on the content names) still meet in
-#: it and all raise ConfigMismatchError (docs/protocol.md §3, §6).
-HANDSHAKE_KEY = "torch"
 #: Poll interval bounds (seconds) while waiting for a collective; see ``wait``.
 WAIT_POLL_MIN_S = 20e-6
 WAIT_POLL_MAX_S = 1e-3
@@ -239,7 +232,6 @@ class _PackedOptimizer(torch.optim.Optimizer):
         #: Seconds a wait for one collective may last (None: forever); ExchangeStalledError.
         self._aq_stall_s = stall_timeout
         self._aq_telemetry = telemetry if telemetry is not None else Telemetry()
-        self._aq_index = next_exchange_index()   # this process's creation order (not in names)
         self._aq_checked = False
         self._aq_skip = False
         #: A collective of this step was submitted by this rank (zero_grad can no longer
@@ -372,7 +364,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
     def _aq_handshake(self) -> None:
         """One allgather of settings, table, step and layout; every rank raises the same error."""
         mine = handshake_vector(self._aq.fingerprint(), self._aq_layout, self._aq_ranks)
-        name = names.handshake_name(HANDSHAKE_KEY, 0)
+        name = names.handshake_name()
         handle = allgather_async(torch.from_numpy(mine).reshape(1, -1), name=name,
                                  process_set=self.process_set)
         gathered = self._aq_wait(handle, name, doing="comparing settings with the other ranks "

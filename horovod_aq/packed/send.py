@@ -1,0 +1,114 @@
+"""The order in which a rank sends one bucket, with its error-feedback update (docs/protocol.md
+§4, §5, docs/quantizers.md on ECQ-SGD), written once for every framework.
+
+For a bucket's raw local gradient g:
+
+1. **compensate**: x = g + α·h with error feedback (ECQ-SGD), else x = g;
+2. **check**: the first element that cannot travel — a NaN/±Inf of g or x, or the first
+   element of a quantization bucket whose norm does not fit a float32
+   (:func:`~horovod_aq.packed.protocol.first_unsendable`). If there is one, the rank sends
+   non-finite markers instead (:mod:`horovod_aq.packed.marker`) and steps 3–5 do not run;
+3. **record** the refit statistics of x (when the schedule says so);
+4. **encode** the parts: x itself (allgather, part 0) or the P chunks of x padded with zeros to
+   P·m coordinates (two-phase, part k for chunk k; the averaged chunk is re-encoded later with
+   part :func:`reencode_part`);
+5. **update** the error memory from what was sent: h ← β·h + (g − g̃), g̃ = the decode of the
+   payloads just encoded (:func:`sent_values`).
+
+:func:`send_bucket` runs these steps with the framework's callables (:class:`SendSteps`), so
+PyTorch calls it eagerly and TensorFlow at trace time (its ``branch`` is a ``tf.cond``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from horovod_aq.packed.protocol import first_unsendable, norm_may_overflow
+
+Payloads = list[Any]
+
+
+def python_branch(bad: Any, on_bad: Callable[[], Payloads],
+                  on_ok: Callable[[], Payloads]) -> Payloads:
+    """Step 2's choice in eager code: ``bad`` is the first bad element or None."""
+    return on_ok() if bad is None else on_bad()
+
+
+@dataclass(frozen=True)
+class SendSteps:
+    """The framework's tensor work for one bucket; :func:`send_bucket` calls it in order."""
+
+    #: raw g → x = g + α·h (error feedback), else g itself.
+    compensate: Callable[[Any], Any]
+    #: (g, x) → the first element that cannot travel (NaN/±Inf, or a bucket norm past float32),
+    #: in whatever form ``branch`` takes (None / int eagerly, a tensor in a graph).
+    first_bad: Callable[[Any, Any], Any]
+    #: x → nothing; records refit statistics while the compressor is recording.
+    record: Callable[[Any], Any]
+    #: x → the parts to encode, in part order: [x], or the P chunks of the zero-padded x.
+    parts: Callable[[Any], Sequence[Any]]
+    #: (part values, part index) → its payload.
+    encode: Callable[[Any, int], Any]
+    #: first bad element → the markers sent in place of the payloads (one per part).
+    markers: Callable[[Any], Payloads]
+    #: (bad, on_bad, on_ok) → the payloads; :func:`python_branch` eagerly, ``tf.cond`` in a graph.
+    branch: Callable[[Any, Callable[[], Payloads], Callable[[], Payloads]], Payloads] = \
+        python_branch
+
+
+def send_bucket(raw: Any, steps: SendSteps,
+                update: Callable[[Any, Payloads], Any] | None = None) -> Payloads:
+    """Steps 1–5 of the module docstring for the raw gradient ``raw``: the payloads to send, or
+    the markers. ``update(raw, payloads)`` is step 5 (error feedback; None: no memory, or the
+    framework updates later, as the TensorFlow graph does after its checks)."""
+    x = steps.compensate(raw)                      # 1. g + α·h
+    bad = steps.first_bad(raw, x)                  # 2. what cannot travel → markers
+
+    def payloads() -> Payloads:
+        steps.record(x)                            # 3. refit statistics
+        sent = [steps.encode(part, k) for k, part in enumerate(steps.parts(x))]   # 4.
+        if update is not None:
+            update(raw, sent)                      # 5. h ← β·h + (g − g̃)
+        return sent
+
+    return steps.branch(bad, lambda: steps.markers(bad), payloads)
+
+
+def first_bad_element(raw: Any, x: Any, *, first_nonfinite: Callable[[Any], int | None],
+                      peak: Callable[[Any], float], norms: Callable[[Any], Any],
+                      bucket_size: int) -> int | None:
+    """Step 2 eagerly: the first NaN/±Inf of g; else, when x (g + α·h) is not finite, its first
+    NaN/±Inf; else the first element of the first quantization bucket of x whose norm does not
+    fit a float32. ``peak(x)`` = max|x_i| (NaN or inf when x is not finite; 0 for no elements):
+    only when it may overflow (``norm_may_overflow``) are the per-bucket ``norms(x)`` computed
+    (numpy, float32 or float64). Two-phase chunks are whole quantization buckets, so the
+    buckets of x are those of its chunks and the element is the same."""
+    bad = first_nonfinite(raw)
+    if bad is not None:
+        return bad
+    top = peak(x)
+    if not math.isfinite(top):
+        return first_nonfinite(x)
+    if norm_may_overflow(top, bucket_size):
+        j = first_unsendable(norms(x))
+        return None if j is None else j * bucket_size
+    return None
+
+
+def sent_values(payloads: Sequence[Any], decode: Callable[[Any], Any],
+                concat: Callable[[list[Any]], Any], numel: int) -> Any:
+    """g̃, what this rank sent: the decode of its payloads, concatenated, without the two-phase
+    padding (the first ``numel`` values)."""
+    return concat([decode(p) for p in payloads])[:numel]
+
+
+def reencode_part(ranks: int) -> int:
+    """The stream part of a two-phase bucket's re-encoded averaged chunk: P (chunks used
+    0 … P−1; docs/format.md §6)."""
+    return ranks
+
+
+__all__ = ["SendSteps", "first_bad_element", "python_branch", "reencode_part", "send_bucket", "sent_values"]

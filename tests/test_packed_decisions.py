@@ -1,0 +1,243 @@
+"""The packed exchange's per-rank decisions (horovod_aq.packed: marker, receive, params, chunks,
+send, waiting), framework-free: every integration calls these, so they are checked here once."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import horovod_aq
+from horovod_aq import codec
+from horovod_aq.codec.stream import StreamKey
+from horovod_aq.packed import chunks, marker, params, plan, receive, send, waiting
+from horovod_aq.packed.cost import chunk_numel
+from horovod_aq.packed.receive import JoinedRankError
+from horovod_aq.packed.waiting import ExchangeStalledError
+
+B = 8
+
+
+def _table(bits=3):
+    return horovod_aq.QSGD(bits=bits, bucket_size=B).table
+
+
+def _payload(x, rank=0, part=0, table=None):
+    return codec.encode(np.asarray(x, np.float32), table or _table(), bucket_size=B, norm="l2",
+                        key=StreamKey(1, rank, 0, 0, part))
+
+
+# ---------------------------------------------------------------- marker fields
+def test_marker_fields_per_mode():
+    t = _table()
+    ag = marker.marker_for("allgather", 21, 4, t.bits, B)
+    assert (ag.numel, ag.copies, ag.size) == (21, 1, codec.payload_size(21, t.bits, B))
+    m = chunk_numel(21, 4, B)
+    tp = marker.marker_for("two_phase", 21, 4, t.bits, B)
+    assert (tp.numel, tp.copies, tp.size) == (m, 4, codec.payload_size(m, t.bits, B))
+    copies = tp.payloads(t, B, "l2", 17)
+    assert len(copies) == 4 and all(c.size == tp.size for c in copies)
+    for c in copies:   # every copy names the first bad element of the whole bucket
+        header = codec.parse_header(c)
+        assert header.nonfinite and header.first_nonfinite == 17
+        assert not c[codec.HEADER_SIZE:].any()
+    with pytest.raises(ValueError, match="packed payloads only"):
+        marker.marker_for("allreduce", 21, 4, t.bits, B)
+    assert marker.marker_index(2**40) == marker.MAX_MARKER_INDEX == 2**32 - 1
+
+
+# ---------------------------------------------------------------- element -> parameter
+def test_param_at_and_param_starts_agree():
+    names, numels = ["a", "b", "c"], [3, 0, 5]
+    offsets = params.contiguous_offsets(numels)
+    assert offsets == [0, 3, 3]
+    assert [params.param_at(e, offsets, numels, names) for e in (0, 2, 3, 7, 8, None)] == \
+        ["a", "a", "c", "c", None, None]
+    starts, ordered = params.param_starts([5, 0], ["late", "early"])
+    assert starts.tolist() == [0, 5] and ordered == ["early", "late"]
+    assert ordered[int(np.searchsorted(starts, 6, side="right")) - 1] == "late"
+    assert params.contiguous_offsets([]) == []
+
+
+# ---------------------------------------------------------------- receive outcome
+def test_receive_outcome_ok_skip_and_raise_naming_rank_and_parameter():
+    t = _table()
+    good = _payload(np.arange(12) / 7.0, table=t)
+    bad = marker.marker_for("allgather", 12, 2, t.bits, B).payload(t, B, "l2", 9)
+    lookup = lambda e: params.param_at(e, [0, 8], [8, 4], ["w", "b"])   # noqa: E731
+    rows = np.stack([good, good])
+    assert receive.receive_outcome(rows, nonfinite="raise", bucket="x", collective="aq.ag.x",
+                                   param_at=lookup) == receive.OK
+    rows = np.stack([good, bad])
+    assert receive.receive_outcome(rows, nonfinite="skip", bucket="x",
+                                   collective="aq.ag.x") == receive.SKIP
+    with pytest.raises(codec.NonFiniteGradientError) as err:
+        receive.receive_outcome(rows, nonfinite="raise", bucket="x", collective="aq.ag.x",
+                                param_at=lookup)
+    assert "on rank 1" in str(err.value) and "'b'" in str(err.value) and err.value.first == 9
+    with pytest.raises(ValueError, match="nonfinite"):
+        receive.receive_outcome(rows, nonfinite="ignore", bucket="x", collective="c")
+
+
+def test_a_two_phase_marker_names_the_parameter_too():
+    """Every chunk's marker carries the first bad element of the whole bucket, so the rank that
+    averages any chunk names the parameter (the torch optimizer used to drop it)."""
+    t = _table()
+    n, P = 40, 4
+    spec = marker.marker_for("two_phase", n, P, t.bits, B)
+    copies = spec.payloads(t, B, "l2", 33)
+    m = spec.numel
+    good = _payload(np.ones(m), table=t)
+    for r in range(P):    # rank r receives chunk r from every rank; rank 2 sent markers
+        rows = np.stack([good, good, copies[r], good])
+        with pytest.raises(codec.NonFiniteGradientError, match="on rank 2") as err:
+            receive.receive_outcome(
+                rows, nonfinite="raise", bucket="x", collective="aq.a2a.x",
+                param_at=lambda e: params.param_at(e, [0, 30], [30, 10], ["big", "tail"]))
+        assert "'tail'" in str(err.value)
+
+
+def test_rows_without_the_magic_are_joined_ranks():
+    good = _payload(np.ones(10))
+    rows = [good, np.zeros_like(good), good[:0]]     # a zero-filled row, an empty one
+    with pytest.raises(JoinedRankError, match=r"rank\(s\) 1, 2 called hvd.join\(\)"):
+        receive.receive_outcome(rows, nonfinite="raise", bucket="x", collective="aq.ag.x")
+    # transports that do not zero-fill joined ranks: the check is left to the decoder
+    assert receive.receive_outcome(rows, nonfinite="raise", bucket="x", collective="c",
+                                   joined=False) == receive.OK
+
+
+# ---------------------------------------------------------------- two-phase chunk spans
+def test_chunk_zero_spans_cover_the_padding_and_absent_parameters():
+    n, P = 21, 4
+    m = chunk_numel(n, P, B)                     # 8: chunks [0,8) [8,16) [16,24) [24,32)
+    assert [chunks.chunk_valid(n, m, r) for r in range(P)] == [8, 8, 5, 0]
+    assert chunks.chunk_zero_spans(n, m, 0) == []
+    assert chunks.chunk_zero_spans(n, m, 2) == [(5, 8)]
+    assert chunks.chunk_zero_spans(n, m, 3) == [(0, 8)]
+    # parameter (6, 4) = elements 6..9 had no gradient on any rank
+    assert chunks.chunk_zero_spans(n, m, 0, [(6, 4)]) == [(6, 8)]
+    assert chunks.chunk_zero_spans(n, m, 1, [(6, 4)]) == [(0, 2)]
+    assert chunks.chunk_zero_spans(n, m, 2, [(6, 4), (19, 2)]) == [(5, 8), (3, 5)]
+
+
+# ---------------------------------------------------------------- send order
+def _numpy_steps(log, ranks, mode, ef=None, name="b"):
+    q = horovod_aq.QSGD(bits=3, bucket_size=B)
+    n_box = {}
+
+    def parts(x):
+        if mode == "allgather":
+            return [x]
+        m = chunk_numel(x.size, ranks, B)
+        padded = np.zeros(ranks * m, np.float32)
+        padded[:x.size] = x
+        return list(padded.reshape(ranks, m))
+
+    def first_bad(raw, x):
+        n_box["n"] = raw.size
+        log.append("check")
+        return send.first_bad_element(
+            raw, x, first_nonfinite=lambda v: (int(np.argmax(~np.isfinite(v)))
+                                               if not np.isfinite(v).all() else None),
+            peak=lambda v: float(np.abs(v).max()) if v.size else 0.0,
+            norms=lambda v: codec.bucket_norms(v, B),
+            bucket_size=B)
+
+    def encode(part, k):
+        log.append(f"encode {k}")
+        return _payload(part, part=k, table=q.table)
+
+    def markers(bad):
+        log.append(f"markers {bad}")
+        spec = marker.marker_for(mode, n_box["n"], ranks, q.table.bits, B)
+        return spec.payloads(q.table, B, "l2", bad)
+
+    def compensate(raw):
+        log.append("compensate")
+        return raw if ef is None else ef.compensate(name, raw)
+
+    return q, send.SendSteps(compensate=compensate, first_bad=first_bad,
+                             record=lambda x: log.append("record"), parts=parts,
+                             encode=encode, markers=markers)
+
+
+@pytest.mark.parametrize("mode", ["allgather", "two_phase"])
+def test_send_bucket_runs_the_steps_in_order_and_updates_memory_from_what_was_sent(mode):
+    ranks = 3
+    ef = horovod_aq.ErrorFeedback(horovod_aq.QSGD(bits=3, bucket_size=B), alpha=1.0, beta=1.0)
+    log = []
+    q, steps = _numpy_steps(log, ranks, mode, ef=ef)
+    raw = np.linspace(-1, 1, 20).astype(np.float32)
+
+    def update(g, payloads):
+        log.append("update")
+        sent = send.sent_values(payloads, lambda p: codec.decode(p, q.table), np.concatenate,
+                                g.size)
+        ef.update("b", g, sent)
+
+    payloads = send.send_bucket(raw, steps, update)
+    parts = 1 if mode == "allgather" else ranks
+    assert log == ["compensate", "check", "record"] + [f"encode {k}" for k in range(parts)] + \
+        ["update"]
+    assert len(payloads) == parts
+    sent = np.concatenate([codec.decode(p, q.table) for p in payloads])[:raw.size]
+    np.testing.assert_array_equal(ef.memory["b"], raw - sent)       # h = g − g̃ at first use
+    assert send.reencode_part(ranks) == ranks
+
+
+@pytest.mark.parametrize("mode", ["allgather", "two_phase"])
+def test_send_bucket_sends_markers_for_what_cannot_travel(mode):
+    ranks = 2
+    log = []
+    _, steps = _numpy_steps(log, ranks, mode)
+    raw = np.ones(20, np.float32)
+    raw[13] = np.nan
+    out = send.send_bucket(raw, steps, lambda g, p: log.append("update"))
+    assert log == ["compensate", "check", "markers 13"]
+    assert len(out) == (1 if mode == "allgather" else ranks)
+    assert all(codec.parse_header(p).first_nonfinite == 13 for p in out)
+    # finite values whose bucket norm overflows float32: the first element of that bucket
+    log.clear()
+    big = np.ones(20, np.float32)
+    big[B:2 * B] = 3e38
+    send.send_bucket(big, steps)
+    assert log == ["compensate", "check", f"markers {B}"]
+
+
+def test_first_bad_element_checks_the_compensated_values_too():
+    raw = np.ones(6, np.float32)
+    x = raw.copy()
+    x[4] = np.inf
+    kwargs = dict(first_nonfinite=lambda v: (int(np.argmax(~np.isfinite(v)))
+                                             if not np.isfinite(v).all() else None),
+                  peak=lambda v: float(np.abs(v).max()),
+                  norms=lambda v: codec.bucket_norms(v, 4), bucket_size=4)
+    assert send.first_bad_element(raw, x, **kwargs) == 4
+    assert send.first_bad_element(raw, raw, **kwargs) is None
+
+
+# ---------------------------------------------------------------- waiting
+def test_wait_until_polls_and_ends_a_stalled_wait_with_an_error():
+    calls = []
+
+    def done():
+        calls.append(1)
+        return len(calls) > 3
+    waiting.wait_until(done, waiting.FOREVER, "aq.ag.x")
+    assert len(calls) == 4
+    started = time.monotonic()
+    deadline = waiting.Deadline(0.05, step=lambda: 5)
+    with pytest.raises(ExchangeStalledError) as err:
+        waiting.wait_until(lambda: False, deadline, "aq.handshake")
+    assert time.monotonic() - started < 5
+    text = str(err.value)
+    assert "'aq.handshake'" in text and "at step 5" in text and "comparing settings" in text
+    assert waiting.doing("aq.efstate.x") == "gathering error-feedback memory for a checkpoint"
+    err = waiting.Deadline(1.0).stalled("aq.ag.b", "b", "encoding")
+    assert "at step" not in str(err) and "of bucket b" in str(err) and "encoding" in str(err)
+
+
+def test_one_handshake_name_for_every_framework():
+    assert plan.handshake_name() == "aq.handshake"
