@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from horovod_aq import codec
+from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels.stats import bucket_moments, normalized_histogram
 from horovod_aq.tools.launcher import run_local
 from tests.ranks import init_tf
@@ -52,12 +53,16 @@ class EncodeRecorder:
 
     def attach(self, exchange):
         if exchange not in self._exchanges:
-            ranks = exchange.ranks
+            import horovod.tensorflow as hvd
 
-            def tap(bucket, part, key, x, payload):
-                phase = "reencode" if part == ranks and part > 0 else "submit"
-                order = (phase == "reencode", key[3], part)   # (stage, bucket index, part)
-                self.entries.append((bucket, phase, order, np.asarray(key), x, payload))
+            quantizer, ranks, rank = exchange.compression.quantizer, exchange.ranks, hvd.rank()
+
+            def tap(bucket, part, values, payload):
+                phase = "reencode" if part == ranks else "submit"
+                order = (phase == "reencode", bucket.index, part)   # (stage, bucket, part)
+                key = StreamKey(quantizer.seed, rank, quantizer.step, bucket.index, part)
+                self.entries.append((bucket.name, phase, order, np.asarray(key.scalars()),
+                                     values, payload))
 
             exchange.tap = tap
             self._exchanges.append(exchange)

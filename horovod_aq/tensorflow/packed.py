@@ -1,8 +1,11 @@
 """The packed gradient exchange in TensorFlow, shared by the tape and the Keras optimizer.
 
 :class:`PackedExchange` turns a list of local gradients into their average over a Horovod process
-set, sending bit-packed codes (docs/protocol.md §5); the per-rank decisions (argument checks,
-handshake, non-finite message, telemetry) are :mod:`horovod_aq.packed.protocol`'s. Both
+set, sending bit-packed codes (docs/protocol.md §5). The per-rank decisions are the core's,
+called at trace time: argument checks, handshake and telemetry (:mod:`horovod_aq.packed.protocol`),
+a bucket's send order and markers (``packed.send``, ``packed.marker``), the receive outcome and
+the parameter it names (``packed.receive``, ``packed.params``), the two-phase chunk's zero spans
+(``packed.chunks``); the graph computes their inputs and moves tensors. Both
 ``horovod_aq.tensorflow.DistributedGradientTape`` and ``horovod_aq.keras.DistributedOptimizer``
 call :meth:`PackedExchange.reduce`; nothing about the exchange is duplicated between them.
 
@@ -35,8 +38,11 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from horovod_aq.codec import HEADER_SIZE
 from horovod_aq.packed import plan as names
+from horovod_aq.packed.chunks import chunk_zero_spans
 from horovod_aq.packed.cost import chunk_numel
+from horovod_aq.packed.params import param_at
 from horovod_aq.packed.plan import (
     DEFAULT_FUSION_BYTES,
     BucketPlan,
@@ -50,10 +56,11 @@ from horovod_aq.packed.protocol import (
     check_compression,
     check_handshake,
     handshake_vector,
-    nonfinite_pieces,
     plan_traffic,
     step_record,
 )
+from horovod_aq.packed.receive import receive_outcome
+from horovod_aq.packed.send import reencode_part, sent_values
 from horovod_aq.telemetry import StepRecord, Telemetry
 from horovod_aq.tensorflow.checks import translate_error
 from horovod_aq.tensorflow.payloads import PayloadOps
@@ -163,13 +170,13 @@ class PackedExchange:
         return self._state.lock
 
     @property
-    def tap(self) -> Callable[[str, int, tuple[int, ...], np.ndarray, np.ndarray], Any] | None:
-        """The payload tap: None, or a callable receiving ``(bucket, part, key, x, payload)`` for
-        every payload this exchange encodes, when the graph runs — the bucket's name, the stream
-        part (0 for an allgather payload, 0 … P−1 for the two-phase chunks, P for the
-        re-encoded averaged chunk), the stream key ``(k0, k1, step, bucket, part)`` of its
-        uniforms (docs/format.md §6), the float32 values encoded and the payload bytes (numpy
-        copies). Read when a layout's graph is traced: set it before the first exchange."""
+    def tap(self) -> Callable[[BucketPlan, int, np.ndarray, np.ndarray], Any] | None:
+        """The payload tap, as PyTorch's ``Wire.tap``: None, or a callable receiving
+        ``(bucket, part, values, payload)`` for every payload this exchange encodes, when the
+        graph runs — the bucket (its ``name``, its ``index`` in the stream key), the stream part
+        (k < P: the allgather payload or two-phase chunk k; P: the re-encoded averaged chunk,
+        docs/format.md §6), the float32 values encoded and the payload bytes (numpy copies).
+        Read when a layout's graph is traced: set it before the first exchange."""
         return self._ops.tap
 
     @tap.setter
@@ -370,31 +377,30 @@ class PackedExchange:
         return self._end_stage(t)
 
     def _submit_stage(self, t: _Trace) -> None:
-        """Stage 1: encode (g + α·h with error feedback; statistics recorded on what is
-        quantized) and submit every first collective, then the small tensors' allreduces."""
+        """Stage 1: encode every bucket (``PayloadOps.send``: g + α·h with error feedback,
+        statistics recorded on what is quantized, markers for what cannot travel) and submit
+        its first collective, then the small tensors' allreduces."""
         comp, P, ps, st = self.compression, self.ranks, self.process_set, self._state
         ef = st.error_memory
         for b in t.plan.buckets:
             parts = [tf.reshape(tf.cast(t.tensors[m], tf.float32), [-1]) for m in b.members]
             raw = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
-            flat = raw
+            compensate = None
             if ef is not None:
                 memory = st.memory_variable(b.name, b.numel)
                 h = memory.read_value()
-                flat = ef.compensate_value(raw, h)                 # g + α·h
+
+                def compensate(g: tf.Tensor, h: tf.Tensor = h) -> tf.Tensor:
+                    return ef.compensate_value(g, h)                # g + α·h
             slot = self._slot(b.numel, b.name)
-            if slot is not None:
-                t.side_effects.append(slot.record(flat))
+            payloads = self._ops.send(raw, b, mode=b.mode, compensate=compensate,
+                                      record=None if slot is None else slot.record)
             if b.mode == "allgather":
-                payloads = self._ops.submit(flat, b.numel, b)
                 sent = (payloads, 1, b.numel)
                 t.first[b.index] = hvd.allgather(payloads, name=names.allgather_name(b.name),
                                                  ignore_name_scope=True, process_set=ps)
             else:
-                m = chunk_numel(b.numel, P, comp.bucket_size)
-                padded = tf.pad(flat, [[0, P * m - b.numel]])
-                payloads = self._ops.submit(padded, m, b, parts=P)
-                sent = (payloads, P, m)
+                sent = (payloads, P, chunk_numel(b.numel, P, comp.bucket_size))
                 t.first[b.index] = hvd.alltoall(payloads, name=names.alltoall_name(b.name),
                                                 ignore_name_scope=True, process_set=ps)
             if ef is not None:
@@ -416,7 +422,8 @@ class PackedExchange:
                     continue
                 m = chunk_numel(b.numel, self.ranks, self.compression.bucket_size)
                 rows = self._ops.rows(t.first[b.index], m, b)
-                bad, check = self._nonfinite_check(t.plan, b, rows, t.raise_nonfinite)
+                bad, check = self._nonfinite_check(t.plan, b, rows, t.raise_nonfinite,
+                                                   names.alltoall_name(b.name))
                 t.skipped.append(bad)
                 with tf.control_dependencies([check]):
                     t.chunk_avgs[b.index] = tf.cond(
@@ -424,21 +431,20 @@ class PackedExchange:
                         lambda rows=rows, m=m: self._ops.decode_average(rows, m))
 
     def _reencode_stage(self, t: _Trace) -> None:
-        """Stage 2b: re-encode this rank's averaged chunk (markers if it is NaN) and allgather
-        it. The part of the chunk past the bucket's end is zero padding whose decoded average
-        is noise that would inflate the re-encoded norm: exact zeros go there
-        (docs/protocol.md §15)."""
+        """Stage 2b: re-encode this rank's averaged chunk (stream part ``send.reencode_part``;
+        markers if it is NaN) and allgather it. Where the chunk holds no gradient
+        (``chunks.chunk_zero_spans``: the bucket's zero padding) the decoded average is noise
+        that would inflate the re-encoded norm: exact zeros go there (docs/protocol.md §15)."""
         P, ps = self.ranks, self.process_set
         with tf.control_dependencies(list(t.chunk_avgs.values())):
             for b in t.plan.buckets:
                 if b.mode != "two_phase":
                     continue
                 m = chunk_numel(b.numel, P, self.compression.bucket_size)
-                valid = min(max(b.numel - ps.rank() * m, 0), m)
                 avg = t.chunk_avgs[b.index]
-                if valid < m:
-                    avg = tf.concat([avg[:valid], tf.zeros([m - valid], avg.dtype)], axis=0)
-                payload = self._ops.submit(avg, m, b, first_part=P)
+                for lo, hi in chunk_zero_spans(b.numel, m, ps.rank()):
+                    avg = tf.concat([avg[:lo], tf.zeros([hi - lo], avg.dtype), avg[hi:]], axis=0)
+                payload = self._ops.send(avg, b, mode="allgather", first_part=reencode_part(P))
                 t.second[b.index] = hvd.allgather(payload, name=names.allgather_name(b.name),
                                                   ignore_name_scope=True, process_set=ps)
 
@@ -450,7 +456,8 @@ class PackedExchange:
             for b in plan.buckets:
                 if b.mode == "allgather":
                     rows = self._ops.rows(t.first[b.index], b.numel, b)
-                    bad, check = self._nonfinite_check(plan, b, rows, t.raise_nonfinite)
+                    bad, check = self._nonfinite_check(plan, b, rows, t.raise_nonfinite,
+                                                       names.allgather_name(b.name))
                     t.skipped.append(bad)
                     with tf.control_dependencies([check]):
                         flat = tf.cond(bad, lambda b=b: tf.fill([b.numel], nan),
@@ -459,7 +466,8 @@ class PackedExchange:
                 else:
                     m = chunk_numel(b.numel, self.ranks, self.compression.bucket_size)
                     rows = self._ops.rows(t.second[b.index], m, b)
-                    bad, _ = self._nonfinite_check(plan, b, rows, check=False)  # skip mode
+                    bad, _ = self._nonfinite_check(plan, b, rows, False,   # skip mode
+                                                   names.allgather_name(b.name))
 
                     def decode_all(rows=rows, m=m, b=b):
                         return self._ops.decode_rows(rows, m)[:b.numel]
@@ -507,7 +515,10 @@ class PackedExchange:
 
                 def commit(sent=sent, numel=numel) -> tf.Tensor:
                     rows = tf.reshape(sent.payloads, [sent.parts, -1])
-                    decoded = self._ops.decode_rows(rows, sent.numel, check=False)[:numel]
+                    decoded = sent_values(                                # g̃
+                        [rows[r:r + 1] for r in range(sent.parts)],
+                        lambda row, m=sent.numel: self._ops.decode_rows(row, m, check=False),
+                        lambda values: tf.concat(values, axis=0), numel)
                     new = ef.updated_memory(sent.h, sent.raw, decoded)   # β·h + (g − g̃)
                     deps = []
                     if ef.reset_on_nonfinite:
@@ -523,27 +534,30 @@ class PackedExchange:
         return ops
 
     def _nonfinite_check(self, plan: _Plan, bucket: BucketPlan, rows: tf.Tensor,
-                         check: bool = True):
-        """(any marker among ``rows``, the op raising on one when ``check``: nonfinite="raise").
+                         raise_nonfinite: bool, collective: str) -> tuple[tf.Tensor, tf.Tensor]:
+        """(any marker among ``rows``, the op that raises on one when ``raise_nonfinite``).
 
-        Every rank gathered the same rows, so every rank decides alike. The message names the
-        first flagged rank and the source holding the first bad element."""
-        flagged = self._ops.flagged(rows)
-        any_bad = tf.reduce_any(flagged)
-        if not check:
+        Every rank received the same rows, so every rank decides alike. The decision and its
+        message are ``receive.receive_outcome``'s (the first flagged rank, and the parameter
+        holding the first bad element, ``params.param_at``), run on the host only when a marker
+        arrived; the graph only tests the flags byte."""
+        any_bad = tf.reduce_any(self._ops.flagged(rows))
+        if not raise_nonfinite:
             return any_bad, tf.no_op()
-        rank = tf.argmax(tf.cast(flagged, tf.int32), output_type=tf.int32)
-        where = self._ops.marker_index(rows, rank)
-        starts = [plan.offsets[m] for m in bucket.members]
-        order = np.argsort(starts)
-        quoted = tf.constant([f"'{plan.names[bucket.members[i]].split(':', 1)[1]}'"
-                              for i in order])
-        index = tf.searchsorted(tf.constant(np.asarray(starts, np.int64)[order]),
-                                tf.reshape(where, [1]), side="right")[0] - 1
-        source = tf.gather(quoted, tf.clip_by_value(index, 0, len(starts) - 1))
-        before, middle, after = nonfinite_pieces(bucket.name)
-        check = tf.debugging.Assert(tf.logical_not(any_bad),
-                                    [before, rank, middle, source, after])
+        members = bucket.members
+        sources = [plan.names[m].split(":", 1)[1] for m in members]
+        offsets = [plan.offsets[m] for m in members]
+        numels = [int(np.prod(plan.shapes[m], dtype=np.int64)) for m in members]
+
+        def decide(heads: np.ndarray) -> np.bool_:
+            receive_outcome(heads, nonfinite="raise", bucket=bucket.name, collective=collective,
+                            param_at=lambda e: param_at(e, offsets, numels, sources),
+                            joined=False)
+            return np.bool_(True)
+
+        check = tf.cond(any_bad, lambda: tf.numpy_function(
+            decide, [rows[:, :HEADER_SIZE]], tf.bool, stateful=True, name="aq_receive_outcome"),
+            lambda: tf.constant(True))
         return any_bad, check
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -23,14 +23,40 @@ from horovod_aq.codec import (
     FLAGS_OFFSET,
     HEADER_SIZE,
     MARKER_INDEX_OFFSET,
+    TABLE_ID_SLICE,
 )
 from horovod_aq.codec.stream import StreamKey
+from horovod_aq.packed.marker import Marker, marker_for, marker_index
 from horovod_aq.packed.plan import BucketPlan
 from horovod_aq.packed.protocol import norm_may_overflow
+from horovod_aq.packed.send import SendSteps, first_bad_element, send_bucket
 from horovod_aq.tensorflow import kernels
 from horovod_aq.tensorflow.state import TFState, WidthState
 
 __all__ = ["PayloadOps"]
+
+
+class _Unsendable(NamedTuple):
+    """What the in-graph check of a bucket found: whether markers go out, and the values the
+    host looks at to name the first bad element (``send.first_bad_element``)."""
+
+    flag: tf.Tensor   # bool scalar
+    raw: tf.Tensor    # g
+    x: tf.Tensor      # g + α·h
+
+
+def _graph_branch(bad: _Unsendable, on_bad: Callable[[], list], on_ok: Callable[[], list]) -> list:
+    """``send.send_bucket``'s choice in a graph: markers or payloads, a ``tf.cond``."""
+    return tf.cond(bad.flag, on_bad, on_ok)
+
+
+def _first_nonfinite(v: np.ndarray) -> int | None:
+    bad = np.flatnonzero(~np.isfinite(v))
+    return int(bad[0]) if bad.size else None
+
+
+def _peak(v: np.ndarray) -> float:
+    return float(np.max(np.abs(v))) if v.size else 0.0
 
 
 class PayloadOps:
@@ -75,80 +101,118 @@ class PayloadOps:
             x, w.levels, self.header(w, numel), bits=w.bits, bucket_size=comp.bucket_size,
             norm=comp.norm, key=key, check=False, checksum=comp.quantizer.checksum))
 
-    def marker(self, numel: int, first_bad: tf.Tensor) -> tf.Tensor:
-        """``codec.nonfinite_payload`` in-graph: this table's header with ``FLAG_NONFINITE`` and
-        the first bad element, zeros elsewhere, the size of a real payload."""
-        where = tf.bitcast(tf.cast(tf.minimum(first_bad, 2**32 - 1), tf.uint32), tf.uint8)
+    def send(self, raw: tf.Tensor, bucket: BucketPlan, *, mode: str,
+             compensate: Callable[[tf.Tensor], tf.Tensor] | None = None,
+             record: Callable[[tf.Tensor], tf.Tensor] | None = None,
+             first_part: int = 0) -> tf.Tensor:
+        """The payloads of the flat float32 ``raw`` sent by ``mode`` ("allgather": one payload;
+        "two_phase": the P chunks of the zero-padded bucket, streams ``first_part`` …), in the
+        order of :func:`horovod_aq.packed.send.send_bucket`: compensate (``compensate``: g + α·h),
+        check, record (``record``: the refit statistics), encode — or, when something cannot
+        travel, the non-finite markers of :func:`horovod_aq.packed.marker.marker_for` instead.
+        The check is a ``tf.cond``; the first bad element a marker names is found on the host,
+        by ``send.first_bad_element``, only when markers are sent. The error-feedback update runs
+        later, after every check passed (``PackedExchange._update_memory``)."""
+        layout = marker_for(mode, int(raw.shape.num_elements()), self.ranks,
+                            self.state.widths[0].bits, self.compression.bucket_size)
+        recorded: list[tf.Tensor] = []
 
-        def marker(w: WidthState) -> tf.Tensor:
-            header = self.header(w, numel)
-            size = codec.payload_size(numel, w.bits, self.compression.bucket_size)
-            return tf.concat([header[:FLAGS_OFFSET], tf.constant([FLAG_NONFINITE], tf.uint8),
-                              header[FLAGS_OFFSET + 1:MARKER_INDEX_OFFSET], where,
-                              tf.zeros([size - HEADER_SIZE], tf.uint8)], axis=0)
+        def record_stats(x: tf.Tensor) -> None:
+            if record is not None:
+                recorded.append(record(x))
 
-        return self.by_width(marker)
+        def encode(values: tf.Tensor, k: int) -> tf.Tensor:
+            key = self.stream_key(bucket.index, first_part + k)
+            with tf.control_dependencies(recorded):
+                return self._tapped(bucket, first_part + k, values,
+                                    self.encode(values, layout.numel, key))
 
-    def submit(self, flat: tf.Tensor, numel: int, bucket: BucketPlan, parts: int = 1,
-               first_part: int = 0) -> tf.Tensor:
-        """Encode ``flat`` (``parts`` equal chunks of ``numel``, streams ``first_part`` …) or, when
-        it holds NaN/Inf, send non-finite markers of the same size instead (``codec`` module
-        docstring). A bucket of finite values whose norm overflows float32 is sent as markers too
-        (``packed.protocol.first_unsendable``, docs/protocol.md §15)."""
-        bad = tf.logical_not(tf.math.is_finite(flat))
+        steps = SendSteps(
+            compensate=compensate if compensate is not None else tf.identity,
+            first_bad=self._first_bad, record=record_stats,
+            parts=lambda x: self._parts(x, layout), encode=encode,
+            markers=lambda bad: self._markers(bad, mode), branch=_graph_branch)
+        sent = send_bucket(raw, steps)
+        return sent[0] if len(sent) == 1 else tf.concat(sent, axis=0)
+
+    @staticmethod
+    def _parts(x: tf.Tensor, layout: Marker) -> list[tf.Tensor]:
+        """[x], or the ``copies`` chunks of x zero-padded to copies·numel coordinates."""
+        if layout.copies == 1:
+            return [x]
+        padded = tf.pad(x, [[0, layout.copies * layout.numel - int(x.shape.num_elements())]])
+        return [padded[r * layout.numel:(r + 1) * layout.numel] for r in range(layout.copies)]
+
+    def _first_bad(self, raw: tf.Tensor, x: tf.Tensor) -> _Unsendable:
+        """Whether something of g or x = g + α·h cannot travel (NaN/±Inf, or a quantization
+        bucket whose norm does not fit a float32), as a bool tensor; the element is found on
+        the host only when markers are sent (:meth:`_markers`)."""
+        bad = tf.logical_not(tf.logical_and(tf.reduce_all(tf.math.is_finite(raw)),
+                                            tf.reduce_all(tf.math.is_finite(x))))
         if self.compression.quantizes:
-            bad = tf.logical_or(bad, self.unsendable(flat, numel, parts))
+            bad = tf.logical_or(bad, self.overflows(x))
+        return _Unsendable(bad, raw, x)
 
-        def encode_part(r: int) -> tf.Tensor:
-            x = flat[r * numel:(r + 1) * numel]
-            key = self.stream_key(bucket.index, first_part + r)
-            return self._tapped(bucket, first_part + r, x, self.encode(x, numel, key), key)
+    def overflows(self, x: tf.Tensor) -> tf.Tensor:
+        """Whether a quantization bucket of ``x`` has a norm (exact in float64) past float32 —
+        ``first_unsendable``'s rule in-graph, computed only when ``norm_may_overflow``."""
+        B = self.compression.bucket_size
+        n = int(x.shape.num_elements())
+        nb = -(-n // B)
 
-        def encode() -> tf.Tensor:
-            chunks = [encode_part(r) for r in range(parts)]
-            return chunks[0] if parts == 1 else tf.concat(chunks, axis=0)
+        def exact() -> tf.Tensor:
+            v = tf.pad(tf.cast(x, tf.float64), [[0, nb * B - n]])
+            norms = tf.sqrt(tf.reduce_sum(tf.square(tf.reshape(v, [nb, B])), axis=1))
+            return tf.reduce_any(tf.math.is_inf(tf.cast(norms, tf.float32)))
 
-        def markers() -> tf.Tensor:
-            first = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int64)
-            return tf.tile(self.marker(numel, first), [parts])
+        risky = norm_may_overflow(tf.reduce_max(tf.abs(x)), B)
+        return tf.cond(risky, exact, lambda: tf.constant(False))
 
-        return tf.cond(tf.reduce_any(bad), markers, encode)
+    def _markers(self, bad: _Unsendable, mode: str) -> list[tf.Tensor]:
+        """The markers sent in place of the payloads (:func:`marker_for`: one per part), naming
+        the first bad element of the whole bucket (``send.first_bad_element`` on the host)."""
+        B, norm = self.compression.bucket_size, self.compression.norm
+        numel = int(bad.raw.shape.num_elements())
 
-    def _tapped(self, bucket: BucketPlan, part: int, x: tf.Tensor, payload: tf.Tensor,
-                key: tuple) -> tf.Tensor:
-        """``payload``, after handing (bucket name, part, stream key, input, payload) as numpy
-        values to :attr:`tap` when the graph runs (a host call; only traced when a tap is
-        set)."""
+        def first(raw: np.ndarray, x: np.ndarray) -> np.int64:
+            with np.errstate(over="ignore"):
+                found = first_bad_element(
+                    raw, x, first_nonfinite=_first_nonfinite, peak=_peak, bucket_size=B,
+                    norms=lambda v: codec.bucket_norms(v, B, "l2"))
+            return np.int64(marker_index(0 if found is None else found))
+
+        index = tf.numpy_function(first, [bad.raw, bad.x], tf.int64, stateful=False,
+                                  name="aq_first_bad")
+        where = tf.bitcast(tf.cast(index, tf.uint32), tf.uint8)
+        where.set_shape([4])
+
+        def one(w: WidthState) -> tf.Tensor:
+            mk = marker_for(mode, numel, self.ranks, w.bits, B)
+            const = np.frombuffer(codec.make_header(mk.numel, w.source.table, B, norm,
+                                                    first_nonfinite=0), dtype=np.uint8)
+            return tf.concat([tf.constant(const[:TABLE_ID_SLICE.start]), w.table_id.read_value(),
+                              tf.constant(const[TABLE_ID_SLICE.stop:MARKER_INDEX_OFFSET]), where,
+                              tf.zeros([mk.size - HEADER_SIZE], tf.uint8)], axis=0)
+
+        copies = marker_for(mode, numel, self.ranks, self.state.widths[0].bits, B).copies
+        return [self.by_width(one)] * copies
+
+    def _tapped(self, bucket: BucketPlan, part: int, x: tf.Tensor,
+                payload: tf.Tensor) -> tf.Tensor:
+        """``payload``, after handing ``(bucket, part, values, payload)`` to :attr:`tap` when
+        the graph runs (numpy copies; a host call, traced only when a tap is set)."""
         tap = self.tap
         if tap is None:
             return payload
 
-        def call(k: np.ndarray, values: np.ndarray, out: np.ndarray) -> np.int64:
-            tap(bucket.name, part, tuple(int(v) for v in k), values.copy(), out.copy())
+        def call(values: np.ndarray, out: np.ndarray) -> np.int64:
+            tap(bucket, part, values.copy(), out.copy())
             return np.int64(0)
 
-        scalars = tf.stack([tf.cast(v, tf.int64) for v in key])
-        done = tf.numpy_function(call, [scalars, x, payload], tf.int64, stateful=True,
+        done = tf.numpy_function(call, [x, payload], tf.int64, stateful=True,
                                  name="aq_payload_tap")
         with tf.control_dependencies([done]):
             return tf.identity(payload)
-
-    def unsendable(self, flat: tf.Tensor, numel: int, parts: int) -> tf.Tensor:
-        """Per element: whether it lies in a bucket whose norm (exact in float64) does not fit a
-        float32 — ``first_unsendable``'s rule in-graph. Only computed when
-        ``norm_may_overflow``."""
-        B = self.compression.bucket_size
-        nb = -(-numel // B)
-
-        def exact() -> tf.Tensor:
-            x = tf.pad(tf.reshape(tf.cast(flat, tf.float64), [parts, numel]),
-                       [[0, 0], [0, nb * B - numel]])
-            norms = tf.sqrt(tf.reduce_sum(tf.square(tf.reshape(x, [parts, nb, B])), axis=2))
-            over = tf.math.is_inf(tf.cast(norms, tf.float32))
-            return tf.reshape(tf.repeat(over, B, axis=1)[:, :numel], [-1])
-
-        risky = norm_may_overflow(tf.reduce_max(tf.abs(flat)), B)
-        return tf.cond(risky, exact, lambda: tf.zeros(tf.shape(flat), tf.bool))
 
     # ------------------------------------------------------------------ receive
     def rows(self, gathered: tf.Tensor, numel: int, bucket: BucketPlan) -> tf.Tensor:
@@ -212,10 +276,3 @@ class PayloadOps:
     def flagged(self, rows: tf.Tensor) -> tf.Tensor:
         """Per row of ``rows`` [P, size]: whether it is a non-finite marker."""
         return tf.bitwise.bitwise_and(rows[:, FLAGS_OFFSET], FLAG_NONFINITE) > 0
-
-    @staticmethod
-    def marker_index(rows: tf.Tensor, rank: tf.Tensor) -> tf.Tensor:
-        """The first bad element a marker row states (u32 at ``MARKER_INDEX_OFFSET``), int64."""
-        return tf.cast(tf.bitcast(rows[rank, MARKER_INDEX_OFFSET:HEADER_SIZE], tf.uint32),
-                       tf.int64)
-
