@@ -13,8 +13,10 @@ the process set because the refit schedule is a function of the global step:
 A failed fit (no usable statistics, a numerical error) is broadcast as a status and every rank
 keeps its current table, so the ranks never diverge.
 
-The transport is a :class:`Comm`: the framework integrations provide Horovod-backed ones
-(named collectives on the user's process set), and :class:`MPIComm` uses mpi4py on a duplicate
+The transport is a :class:`Comm`, the one collective seam of each integration (handshake,
+refits, error-memory checkpoints): the framework integrations provide Horovod-backed ones
+(named collectives on the user's process set) and a ``torch.distributed`` one
+(:class:`horovod_aq.torch.dist_comm.DistComm`), and :class:`MPIComm` uses mpi4py on a duplicate
 of the world communicator (restricted to the process set) under the MPI controller.
 """
 
@@ -27,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from horovod_aq.levels.table import LevelTable
+from horovod_aq.packed.waiting import FOREVER, Deadline, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -36,18 +39,30 @@ FIT_FAILED = 0.0
 
 
 class Comm(Protocol):
-    """The two collectives the refit protocol needs, on one process set."""
+    """The two collectives every integration provides on one process set.
+
+    One ``Comm`` per integration carries everything the package agrees on outside the gradient
+    payloads: the first-exchange handshake (int64), the refit protocol (float64), the error
+    memory of a checkpoint (float32). Both collectives keep the array's dtype.
+    """
 
     rank: int
     size: int
 
     def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
-        """Gather a 1-D float64 array of the same length from every rank → [size, length]."""
+        """Gather an array of the same size and dtype from every rank (flattened: a 1-D array
+        or [1, L] rows) → [size, length], same dtype."""
         ...
 
     def broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
-        """Return the root's 1-D float64 array (same length on every rank)."""
+        """Return the root's array (same size and dtype on every rank); ``root`` is the rank
+        within the set."""
         ...
+
+
+def _row(array: np.ndarray) -> np.ndarray:
+    """``array`` as one contiguous [1, L] row of its own dtype."""
+    return np.ascontiguousarray(array).reshape(1, -1)
 
 
 class LocalComm:
@@ -57,43 +72,65 @@ class LocalComm:
     size = 1
 
     def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
-        return np.asarray(array, dtype=np.float64)[None, :].copy()
+        return _row(array).copy()
 
     def broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
-        return np.asarray(array, dtype=np.float64).copy()
+        return np.array(array, copy=True)
+
+
+#: mpi4py communicators by the global ranks they span (created once, collectively).
+_mpi_comms: dict[tuple[int, ...], Any] = {}
+
+
+def _mpi_communicator(ranks: Sequence[int] | None) -> Any:
+    """A duplicate of ``MPI.COMM_WORLD`` restricted to ``ranks`` (None: all), created on first use
+    — collectively over the members only (``Create_group``) — and kept."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    key = tuple(range(world.Get_size())) if ranks is None else tuple(int(r) for r in ranks)
+    found = _mpi_comms.get(key)
+    if found is not None:
+        return found
+    if list(key) == list(range(world.Get_size())):
+        comm = world.Dup()
+    else:
+        group = world.Get_group().Incl(sorted(key))
+        comm = world.Create_group(group)
+        group.Free()
+    if comm == MPI.COMM_NULL:
+        raise ValueError("this rank is not a member of the process set given to MPIComm")
+    _mpi_comms[key] = comm
+    return comm
 
 
 class MPIComm:
     """mpi4py transport on a duplicate of ``MPI.COMM_WORLD`` restricted to ``ranks``.
 
-    ``ranks`` are global ranks (a Horovod process set's ``ranks``; ``None`` = all). The
-    communicator is created once, collectively over the members only (``Create_group``).
+    ``ranks`` are global ranks (a Horovod process set's ``ranks``; ``None`` = all). Collectives are
+    non-blocking requests waited for with ``deadline``
+    (:func:`~horovod_aq.packed.waiting.wait_until`: no spinning, and an
+    ``ExchangeStalledError`` past the stall timeout).
     """
 
-    def __init__(self, ranks: Sequence[int] | None = None) -> None:
-        from mpi4py import MPI
-
-        world = MPI.COMM_WORLD
-        if ranks is None or list(ranks) == list(range(world.Get_size())):
-            self._comm = world.Dup()
-        else:
-            group = world.Get_group().Incl(sorted(int(r) for r in ranks))
-            self._comm = world.Create_group(group)
-            group.Free()
-        if self._comm == MPI.COMM_NULL:
-            raise ValueError("this rank is not a member of the process set given to MPIComm")
+    def __init__(self, ranks: Sequence[int] | None = None, deadline: Deadline = FOREVER) -> None:
+        self._comm = _mpi_communicator(ranks)
         self.rank = self._comm.Get_rank()
         self.size = self._comm.Get_size()
+        self.deadline = deadline
+
+    def _wait(self, request: Any, name: str) -> None:
+        wait_until(request.Test, self.deadline, name)
 
     def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
-        send = np.ascontiguousarray(array, dtype=np.float64)
-        recv = np.empty((self.size, send.size), dtype=np.float64)
-        self._comm.Allgather(send, recv)
+        send = _row(array)
+        recv = np.empty((self.size, send.size), dtype=send.dtype)
+        self._wait(self._comm.Iallgather(send, recv), name)
         return recv
 
     def broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
-        buf = np.array(array, dtype=np.float64, copy=True)
-        self._comm.Bcast(buf, root=root)
+        buf = np.array(array, copy=True, order="C")
+        self._wait(self._comm.Ibcast(buf, root=root), name)
         return buf
 
 
@@ -144,25 +181,26 @@ class HorovodComm:
     """:class:`Comm` over one framework's Horovod collectives on one process set.
 
     Subclasses (``horovod_aq.torch.comm``, ``horovod_aq.tensorflow.comm``) implement
-    ``_allgather(rows [1, L] float64, name) -> [size, L]`` and
-    ``_broadcast(array, global_root, name)``. ``root`` in :meth:`broadcast` is relative to the
-    set; Horovod wants a global rank, so it is mapped through ``process_set.ranks``.
+    ``_allgather(rows [1, L], name) -> [size, L]`` and ``_broadcast(array, global_root, name)``,
+    both keeping the dtype, and may honour :attr:`deadline` (stall timeout). ``root`` in
+    :meth:`broadcast` is relative to the set; Horovod wants a global rank, so it is mapped
+    through ``process_set.ranks``.
     """
 
     hvd: Any = None  #: the framework's horovod module (set by subclasses)
 
-    def __init__(self, process_set: Any = None) -> None:
+    def __init__(self, process_set: Any = None, deadline: Deadline = FOREVER) -> None:
         self.process_set = process_set if process_set is not None else self.hvd.global_process_set
         self.rank = self.process_set.rank()
         self.size = self.process_set.size()
+        self.deadline = deadline
         self._ranks = set_ranks(self.hvd, self.process_set)
 
     def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
-        return self._allgather(np.ascontiguousarray(array, dtype=np.float64).reshape(1, -1), name)
+        return self._allgather(_row(array), name)
 
     def broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
-        return self._broadcast(np.array(array, dtype=np.float64, copy=True), self._ranks[root],
-                               name)
+        return self._broadcast(np.array(array, copy=True, order="C"), self._ranks[root], name)
 
     def _allgather(self, rows: np.ndarray, name: str) -> np.ndarray:
         raise NotImplementedError
@@ -171,20 +209,16 @@ class HorovodComm:
         raise NotImplementedError
 
 
-_mpi_comms: dict[tuple[int, ...], MPIComm] = {}
-
-
-def comm_for(horovod_comm: type[HorovodComm], process_set: Any = None) -> Comm:
-    """The refit transport for ``process_set``: mpi4py (a communicator per set, created on first
-    use — collectively) under the MPI controller when mpi4py initialized MPI (see
-    :mod:`horovod_aq.mpi`), else ``horovod_comm`` (Horovod's own collectives)."""
+def comm_for(horovod_comm: type[HorovodComm], process_set: Any = None,
+             deadline: Deadline = FOREVER) -> Comm:
+    """The transport of ``process_set``: mpi4py (a communicator per set, created on first use —
+    collectively) under the MPI controller when mpi4py initialized MPI (see
+    :mod:`horovod_aq.mpi`), else ``horovod_comm`` (Horovod's own collectives). ``deadline``:
+    the stall timeout of its waits."""
     from horovod_aq import mpi
 
     hvd = horovod_comm.hvd
     process_set = process_set if process_set is not None else hvd.global_process_set
     if hvd.mpi_enabled() and mpi.mpi4py_owns_mpi():
-        key = tuple(set_ranks(hvd, process_set))
-        if key not in _mpi_comms:
-            _mpi_comms[key] = MPIComm(key)
-        return _mpi_comms[key]
-    return horovod_comm(process_set)
+        return MPIComm(set_ranks(hvd, process_set), deadline)
+    return horovod_comm(process_set, deadline)

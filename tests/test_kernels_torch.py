@@ -11,6 +11,7 @@ from horovod_aq.levels.table import LevelTable
 
 torch = pytest.importorskip("torch")
 tk = pytest.importorskip("horovod_aq.torch.kernels")
+level_cells = pytest.importorskip("horovod_aq.torch.level_cells")
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -50,7 +51,7 @@ def adversarial_values(levels: np.ndarray) -> np.ndarray:
     """Levels, their float32 neighbours, ±0, subnormals, cell edges and random values in [−1, 1]."""
     lv = levels.astype(np.float32)
     near = np.concatenate([lv, np.nextafter(lv, np.float32(2)), np.nextafter(lv, np.float32(-2))])
-    cell_edges = (np.arange(0, 130050, 97, dtype=np.int64) << tk.CELL_SHIFT)
+    cell_edges = (np.arange(0, 130050, 97, dtype=np.int64) << level_cells.CELL_SHIFT)
     edges = np.concatenate([cell_edges, cell_edges - 1, cell_edges + 1])
     edges = edges[(edges >= 0) & (edges <= 0x3F800000)].astype(np.int32).view(np.float32)
     special = np.array([0.0, -0.0, 1e-45, -1e-45, 1.1754942e-38, -1.1754942e-38, 1.0, -1.0],
@@ -66,7 +67,7 @@ def adversarial_values(levels: np.ndarray) -> np.ndarray:
                          + [random_table(6, 1), TERNARY, exp_table(4, 0.7)],
                          ids=lambda t: f"N{t.num_levels}-{t.hash:08x}")
 def test_cell_finder_equals_searchsorted(table):
-    prepared = tk._Table(table, torch.device("cpu"))
+    prepared = level_cells.DeviceTable(table, torch.device("cpu"))
     assert prepared.cells is not None
     r = torch.from_numpy(adversarial_values(table.levels))
     got = prepared.locate(r.clone())
@@ -76,7 +77,7 @@ def test_cell_finder_equals_searchsorted(table):
 
 
 def test_close_levels_fall_back_to_searchsorted():
-    prepared = tk._Table(CLOSE, torch.device("cpu"))
+    prepared = level_cells.DeviceTable(CLOSE, torch.device("cpu"))
     assert prepared.cells is None
     x = gradient(3000)
     u = np.random.default_rng(1).random(x.size, dtype=np.float32)

@@ -65,3 +65,32 @@ def test_a_first_step_that_never_ends_is_reported(monkeypatch):
         warnings.simplefilter("error")
         for _ in range(6):
             fixed.open_step()
+
+
+class _NoComm:
+    """A Comm that must not be used (a step end that needs no collective)."""
+
+    rank, size = 0, 2
+
+    def allgather(self, array, name):
+        raise AssertionError(f"collective {name} run for a compressor that does not quantize")
+
+    broadcast = allgather
+
+
+@pytest.mark.parametrize("make", [horovod_aq.NoCompression, horovod_aq.FP16])
+def test_end_step_counts_the_steps_of_compressors_that_do_not_quantize(make):
+    comp = make()
+    comp.open_step()
+    assert comp.end_step(_NoComm()) is False
+    assert (comp.step, comp.step_open) == (1, False)
+
+
+def test_dqsgd_end_step_resets_the_open_gradient_count():
+    """DQSGD ends a step with the same bookkeeping as every compressor (it once copied it and
+    left the count of gradients of the step behind)."""
+    comp = horovod_aq.DQSGD(target_bits=4)
+    for _ in range(3):
+        comp.open_step()
+    comp.end_step(LocalComm())
+    assert comp._open_calls == 0 and comp.step == 1

@@ -238,15 +238,21 @@ class Compressor:
         """Finish one training step on every rank: refit if due (collective), advance the step.
 
         Returns whether the table changed. Must be called at the same step on every rank of
-        the process set that ``comm`` spans.
+        the process set that ``comm`` spans. Compressors that do not quantize (no table, never
+        recording) only count the step: ``comm`` is then not used, so every integration ends
+        every step with this one call.
         """
         refitted = self.refit(comm) if self.recording else False
+        self._close_step(refitted)
+        return refitted
+
+    def _close_step(self, refitted: bool) -> None:
+        """The bookkeeping of every step end: the next step, no statistics, closed."""
         self.step += 1
         self._stats = None
         self._step_open = False
         self._open_calls = 0
         self._last_refitted = refitted
-        return refitted
 
     # ------------------------------------------------------------------ step boundaries
     def open_step(self) -> None:

@@ -143,10 +143,7 @@ class DQSGD(Compressor):
         self.bits_history.append(self.bits)
         g = math.sqrt(self._aggregate_sq)
         self._aggregate_sq = 0.0
-        self.step += 1
-        self._stats = None
-        self._step_open = False
-        self._last_refitted = refitted
+        self._close_step(refitted)
         previous = self.bits
         self.bits = self.rule.next_bits(self.step, previous, g)
         if self.bits != previous:

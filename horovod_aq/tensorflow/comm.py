@@ -1,7 +1,7 @@
 """The refit protocol's transport (:mod:`horovod_aq.refit`) over Horovod's TensorFlow collectives.
 
 Under the MPI controller the level-table agreement runs over mpi4py on a duplicate of the world
-communicator restricted to the process set (DESIGN.md) — when mpi4py initialized MPI, see
+communicator restricted to the process set (docs/protocol.md §11) — when mpi4py initialized MPI, see
 :mod:`horovod_aq.mpi`; otherwise, and under Gloo, it uses Horovod's own named allgather and
 broadcast on the process set. Both are eager: the refit runs between steps, never inside a
 traced graph.

@@ -40,9 +40,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import threading
-from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -58,6 +55,19 @@ from horovod_aq.codec.stream import (
     philox4x32,
 )
 from horovod_aq.levels.table import LevelTable
+from horovod_aq.torch import triton_kernels
+from horovod_aq.torch.level_cells import DeviceTable, device_table
+from horovod_aq.torch.payload import (
+    CACHE_ENTRIES,
+    DeviceCache,
+    as_float32_flat,
+    check_finite,
+    check_payload_tensor,
+    check_valid,
+    checked_headers,
+    header_tensor,
+    seal_checksum,
+)
 from horovod_aq.torch.stats import bucket_moments, normalized_histogram
 
 __all__ = ["bucket_moments", "bucket_norms", "decode", "decode_average", "encode",
@@ -68,11 +78,6 @@ __all__ = ["bucket_moments", "bucket_norms", "decode", "decode_average", "encode
 #: so that the float64 and index temporaries of one chunk stay in the CPU caches.
 CHUNK_ELEMENTS = 1 << 18
 ACCELERATOR_CHUNK_ELEMENTS = 1 << 24
-_CACHE_ENTRIES = 64  # headers and shift vectors (small)
-#: Prepared level tables kept per process (each holds a 1.5 MB cell array): enough for DQSGD's
-#: seven widths plus one more, so a run that refits keeps a bounded, small set.
-_TABLE_CACHE_ENTRIES = 8
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("horovod_aq.torch.kernels assumes a little-endian host (the wire is LE)")
@@ -81,129 +86,7 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
 # ------------------------------------------------------------------------------------ caches
 
 
-class _DeviceCache:
-    """A small thread-safe LRU of device tensors (level tables, headers, shift vectors)."""
-
-    def __init__(self, entries: int = _CACHE_ENTRIES) -> None:
-        self._items: OrderedDict[tuple, Any] = OrderedDict()
-        self._entries = entries
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple, make: Callable[[], Any]) -> Any:
-        with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                return self._items[key]
-        value = make()
-        self.put(key, value)
-        return value
-
-    def put(self, key: tuple, value: Any) -> None:
-        with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            while len(self._items) > self._entries:
-                self._items.popitem(last=False)
-
-
-_CACHE = _DeviceCache()
-_TABLES = _DeviceCache(_TABLE_CACHE_ENTRIES)
-
-
-#: The interval finder's cells span 2^CELL_SHIFT consecutive float32 values: 23 − 13 = 10
-#: mantissa bits are kept, so a cell is 2^−10 ≈ 0.1 % of its magnitude wide.
-CELL_SHIFT = 13
-_CELL_MASK = (1 << (32 - CELL_SHIFT)) - 1
-_NEGATIVE_CELLS = 1 << (31 - CELL_SHIFT)  # cell index of −0.0; negative floats come after it
-_ONE_CELL = int(np.float32(1.0).view(np.int32)) >> CELL_SHIFT  # the last cell with |r| ≤ 1
-
-
-class _Table:
-    """A level table prepared for one device (cached per version, hash and device).
-
-    Holds float32 ``levels`` L, ``gaps`` L[j+1] − L[j], ``following`` (L[k+1], +inf at the end),
-    ``lookup`` (L padded with NaN to 2^bits entries, for decoding) and ``cells``.
-
-    ``cells`` replaces ``torch.searchsorted`` (~7 ns per element on CPU, the slowest step) by
-    two table look-ups. The float32 bit pattern of r ∈ [−1, 1] without its low CELL_SHIFT bits
-    names a *cell* of 2^CELL_SHIFT consecutive floats; the cell stores j at its smallest float.
-    When no cell holds two levels, at most the level L[j+1] lies inside the cell, so
-
-        j(r) = cells[bits(r) >> CELL_SHIFT] + [r ≥ L[j+1]]
-
-    is exactly searchsorted's answer (−0.0 and +0.0 included: comparisons are on floats). Tables
-    with two levels in one cell (levels closer than ~0.1 % of their size) fall back to
-    searchsorted (``cells`` is None); both paths are tested against each other.
-    """
-
-    def __init__(self, table: LevelTable, device) -> None:
-        levels = codec.float32_levels(table)
-        lookup = np.full(1 << table.bits, np.nan, dtype=np.float32)
-        lookup[: levels.size] = levels
-
-        def put(arr: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(arr).to(device)
-
-        self.levels = put(levels)
-        self.gaps = put(levels[1:] - levels[:-1])
-        self.following = put(np.append(levels[1:], np.float32(np.inf)))
-        self.lookup = put(lookup)
-        self.num_levels = levels.size
-        # Flushed subnormal levels make a run of zeros; −0.0 must then be looked up as +0.0.
-        self.plus_zero = int(np.count_nonzero(levels == 0)) > 1
-        cells = _build_cells(levels, self.plus_zero)
-        self.cells = None if cells is None else torch.from_numpy(cells).to(device)
-
-    def locate(self, r: torch.Tensor) -> torch.Tensor:
-        """j = clip(searchsorted(L, r, right) − 1, 0, N − 2) as int32, for r in [−1, 1]."""
-        if self.cells is None:
-            j = torch.searchsorted(self.levels, r, right=True, out_int32=True).sub_(1)
-            return j.clamp_(0, self.num_levels - 2)
-        if self.plus_zero:
-            r.add_(0.0)  # −0.0 + 0.0 = +0.0; codes do not change (ξ = ±0 either way)
-        cell = (r.view(torch.int32) >> CELL_SHIFT).bitwise_and_(_CELL_MASK)
-        j = self.cells.index_select(0, cell)
-        j.add_(torch.ge(r, self.following.index_select(0, j)).view(torch.uint8))
-        return j.clamp_(max=self.num_levels - 2)
-
-
-def _build_cells(levels: np.ndarray, plus_zero: bool) -> np.ndarray | None:
-    """int32 j at the smallest float of every cell (clipped to 0..N−1), or None when some cell
-    holds two levels. Unused cells (|r| > 1) hold 0. With ``plus_zero`` the lookup never sees
-    −0.0, so the cell of the negative subnormals ends at −2^−149."""
-    magnitude = np.arange(_ONE_CELL + 1, dtype=np.int64) << CELL_SHIFT
-    lowest = magnitude.astype(np.int32).view(np.float32)  # of the positive cells
-    highest = (magnitude + (1 << CELL_SHIFT) - 1).astype(np.int32).view(np.float32)
-    negative_largest = -lowest
-    if plus_zero:
-        negative_largest[0] = -np.float32(2.0**-149)
-    cells = np.zeros(_NEGATIVE_CELLS + _ONE_CELL + 1, dtype=np.int32)
-    for smallest, largest, offset in ((lowest, highest, 0),
-                                      (-highest, negative_largest, _NEGATIVE_CELLS)):
-        j_small = np.searchsorted(levels, smallest, side="right") - 1
-        j_large = np.searchsorted(levels, largest, side="right") - 1
-        if int((j_large - j_small).max()) > 1:
-            return None
-        cells[offset : offset + smallest.size] = np.clip(j_small, 0, levels.size - 1)
-    return cells
-
-
-def _table(table: LevelTable, device) -> _Table:
-    key = ("table", table.version, table.hash, table.num_levels, str(device))
-    return _TABLES.get(key, lambda: _Table(table, device))
-
-
-def _header(numel: int, table: LevelTable, bucket_size: int, norm: str, device) -> torch.Tensor:
-    """The header tensor of a payload; one cache slot per tensor shape, replaced when the table
-    changes (a refit), so refits do not accumulate headers."""
-    raw = codec.make_header(numel, table, bucket_size, norm)
-    key = ("header", numel, table.num_levels, bucket_size, norm, str(device))
-    cached = _CACHE.get(key, lambda: (raw, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-                                      .to(device)))
-    if cached[0] != raw:
-        cached = (raw, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device))
-        _CACHE.put(key, cached)
-    return cached[1]
+_CACHE = DeviceCache(CACHE_ENTRIES)
 
 
 def _shifts(bits: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -213,14 +96,6 @@ def _shifts(bits: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------ helpers
-
-
-def _as_float32_flat(x: torch.Tensor) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"expected a floating-point gradient, got dtype {x.dtype}")
-    return x.detach().reshape(-1).to(torch.float32).contiguous()
 
 
 def _next_pow2(n: int) -> int:
@@ -298,7 +173,7 @@ def _norms(flat: torch.Tensor, bucket_size: int, norm: str) -> torch.Tensor:
 def bucket_norms(x: torch.Tensor, bucket_size: int, norm: str = "l2") -> torch.Tensor:
     """float32 norm of every bucket (``codec.bucket_norms``), on x's device. No validation."""
     bucket_size = codec.check_bucket_size(bucket_size)
-    return _norms(_as_float32_flat(x), bucket_size, codec.check_norm(norm))
+    return _norms(as_float32_flat(x), bucket_size, codec.check_norm(norm))
 
 
 def first_nonfinite(x: torch.Tensor) -> int | None:
@@ -316,21 +191,10 @@ def first_nonfinite(x: torch.Tensor) -> int | None:
     return int(bad.int().argmax()) if bool(bad.any()) else None
 
 
-def _check_finite(flat: torch.Tensor, norms: torch.Tensor) -> None:
-    """One host sync: a non-finite element makes its bucket's norm non-finite."""
-    if norms.numel() == 0 or bool(torch.isfinite(norms).all()):
-        return
-    bad = ~torch.isfinite(flat)  # error path only
-    count = int(bad.sum())
-    if count:
-        raise ValueError(codec.non_finite_message(count, int(bad.int().argmax()), flat.numel()))
-    raise ValueError(codec.norm_overflow_message(int((~torch.isfinite(norms)).int().argmax())))
-
-
 # ----------------------------------------------------------------------------------- rounding
 
 
-def _round(r: torch.Tensor, u: torch.Tensor, tab: _Table) -> torch.Tensor:
+def _round(r: torch.Tensor, u: torch.Tensor, tab: DeviceTable) -> torch.Tensor:
     """Codes (int32) of normalized r by unbiased stochastic rounding (codec step 4). Consumes r."""
     j = tab.locate(r)
     r.sub_(tab.levels.index_select(0, j)).div_(tab.gaps.index_select(0, j))  # ξ, in place
@@ -406,8 +270,6 @@ def implementation_for(device: torch.device) -> str:
     if device.type == "cpu":
         return "fused"
     if device.type == "cuda":
-        from horovod_aq.torch import triton_kernels
-
         if triton_kernels.available():
             return "triton"
     return "torch"
@@ -415,7 +277,7 @@ def implementation_for(device: torch.device) -> str:
 
 def _fused_input(x: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU gradient as float32 (one cast for other dtypes)."""
-    return _as_float32_flat(x).detach().numpy()
+    return as_float32_flat(x).detach().numpy()
 
 
 # ------------------------------------------------------------------------------------- encode
@@ -439,10 +301,10 @@ def _prepare(x, levels, bucket_size, norm, uniforms):
     table = codec.as_table(levels)
     bucket_size = codec.check_bucket_size(bucket_size)
     norm = codec.check_norm(norm)
-    flat = _as_float32_flat(x)
-    _table(table, flat.device)  # validates the float32 table (codec.float32_levels) and caches it
+    flat = as_float32_flat(x)
+    device_table(table, flat.device)  # validates the float32 table (float32_levels), cached
     norms = _norms(flat, bucket_size, norm)
-    _check_finite(flat, norms)
+    check_finite(flat, norms)
     u = _explicit_uniforms(flat.numel(), flat.device, uniforms)
     return table, bucket_size, norm, flat, norms, u
 
@@ -470,7 +332,7 @@ def _quantize_chunks(flat, norms, u, generator, table, bucket_size, emit, key=No
     each chunk draws ``torch.rand(stop − start, generator=…)`` in order (on CPU the same stream
     as one ``torch.rand(n, generator=…)``).
     """
-    tab = _table(table, flat.device)
+    tab = device_table(table, flat.device)
     safe = torch.where(norms == 0, torch.ones_like(norms), norms)  # zero bucket: 0 / 1 = 0
     for start, stop in _chunks(flat.numel(), bucket_size, flat.device):
         size = stop - start
@@ -523,8 +385,6 @@ def encode(
                                                  bucket_size=bucket_size, norm=norm, key=key,
                                                  checksum=checksum))
         if impl == "triton":
-            from horovod_aq.torch import triton_kernels
-
             return triton_kernels.encode(x, levels, bucket_size=bucket_size, norm=norm, key=key,
                                          checksum=checksum)
     table, bucket_size, norm, flat, norms, u = _prepare(x, levels, bucket_size, norm, uniforms)
@@ -533,7 +393,7 @@ def encode(
     codes_at = HEADER_SIZE + NORM_BYTES * nb
     payload = torch.empty(codec.payload_size(n, bits, bucket_size), dtype=torch.uint8,
                           device=flat.device)
-    payload[:HEADER_SIZE] = _header(n, table, bucket_size, norm, flat.device)
+    payload[:HEADER_SIZE] = header_tensor(n, table, bucket_size, norm, flat.device)
     payload[HEADER_SIZE:codes_at] = norms.view(torch.uint8)
     stream = payload[codes_at:]
 
@@ -545,19 +405,6 @@ def encode(
 
     _quantize_chunks(flat, norms, u, generator, table, bucket_size, emit, key)
     return seal_checksum(payload) if checksum else payload
-
-
-def seal_checksum(payload: torch.Tensor) -> torch.Tensor:
-    """``codec.seal_checksum`` of a contiguous 1-D uint8 payload tensor, in place: the CRC-32 is
-    computed on the host (zero-copy on CPU; otherwise one copy of the payload to the host and
-    the 32 header bytes back). Returns ``payload``."""
-    if payload.device.type == "cpu":
-        codec.seal_checksum(payload.numpy())
-        return payload
-    host = payload.cpu().numpy()
-    codec.seal_checksum(host)
-    payload[:HEADER_SIZE] = torch.from_numpy(host[:HEADER_SIZE]).to(payload.device)
-    return payload
 
 
 def quantize(
@@ -573,7 +420,7 @@ def quantize(
 ) -> torch.Tensor:
     """``decode(encode(x))`` without packing: flat quantized values, bitwise the same."""
     table, bucket_size, norm, flat, norms, u = _prepare(x, levels, bucket_size, norm, uniforms)
-    lookup = _table(table, flat.device).lookup
+    lookup = device_table(table, flat.device).lookup
     out = torch.empty_like(flat)
 
     def emit(start, stop, codes):
@@ -587,23 +434,6 @@ def quantize(
 
 
 # ------------------------------------------------------------------------------------- decode
-
-
-def _host_headers(rows: torch.Tensor, name_rank: bool = True) -> list[codec.Header]:
-    """Parse the headers of a [P, size] uint8 tensor (one 32·P-byte copy to the host)."""
-    raw = rows[:, :HEADER_SIZE].cpu().numpy()
-    return codec.parse_rows(raw, name_rank=name_rank)
-
-
-def _check_payload_tensor(payload: torch.Tensor, ndim: int) -> None:
-    if not isinstance(payload, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor payload, got {type(payload).__name__}")
-    if payload.dtype != torch.uint8 or payload.dim() != ndim:
-        shape = "[P, size]" if ndim == 2 else "1-D"
-        raise PayloadError(
-            f"a payload must be a {shape} uint8 tensor, got dtype {payload.dtype} and shape "
-            f"{tuple(payload.shape)}"
-        )
 
 
 def _decode_checked(row: torch.Tensor, header: codec.Header, table: LevelTable,
@@ -621,7 +451,7 @@ def _decode_checked(row: torch.Tensor, header: codec.Header, table: LevelTable,
     if norms.numel():
         valid.append((torch.isfinite(norms) & (norms >= 0)).all())
     check_codes = table.num_levels < (1 << bits)
-    lookup = _table(table, row.device).lookup
+    lookup = device_table(table, row.device).lookup
     out = torch.empty(n, dtype=torch.float32, device=row.device)
     stream = row[codes_at:]
     for start, stop in _chunks(n, bucket_size, row.device):
@@ -639,28 +469,6 @@ def _decode_checked(row: torch.Tensor, header: codec.Header, table: LevelTable,
     return out
 
 
-def check_valid(valid: list[torch.Tensor], refuse: Callable[[], Any]) -> None:
-    """One host sync on the validity flags of a decode; if one is False, ``refuse()`` (which
-    reruns the numpy oracle on a host copy and raises its error). Shared with Triton."""
-    if not valid or bool(torch.stack(valid).all()):
-        return
-    refuse()
-    raise RuntimeError("horovod_aq.torch.kernels: the device check refused a payload that the "
-                       "numpy codec accepts (please report this bug)")
-
-
-def verify_checksums(rows: torch.Tensor, headers: list[codec.Header], *, single: bool) -> None:
-    """``codec.check_checksums`` of the rows whose header carries ``FLAG_CHECKSUM``, on the
-    host (zero-copy for CPU tensors). Shared with Triton."""
-    if not any(h.checksummed for h in headers):
-        return
-    host = rows.detach().cpu().numpy()
-    if single:
-        codec.check_checksum(host[0], headers[0])
-    else:
-        codec.check_checksums(host, headers)
-
-
 def decode(
     payload: torch.Tensor,
     levels: LevelTable | Any,
@@ -675,33 +483,12 @@ def decode(
     if impl != "torch" and payload.dtype == torch.uint8 and payload.dim() == 1:
         return _decode_with(impl, "decode", payload, levels, dtype, numel, bucket_size, norm)
     table = codec.as_table(levels)
-    _check_payload_tensor(payload, 1)
+    check_payload_tensor(payload, 1)
     _, header = checked_headers(payload[None], table, numel, bucket_size, norm, single=True)
     valid: list[torch.Tensor] = []
     out = _decode_checked(payload, header, table, valid)
     check_valid(valid, lambda: codec.decode(payload.detach().cpu().numpy(), table))
     return out.to(dtype)
-
-
-def checked_headers(rows: torch.Tensor, table: LevelTable, numel: int | None,
-                    bucket_size: int | None, norm: str | None, *,
-                    single: bool = False) -> tuple[list[codec.Header], codec.Header]:
-    """Validate gathered payload rows [P, size] (``single``: the one row of a ``decode``, whose
-    tensor the caller checked) on the host with the numpy codec's checks and messages, and the
-    CRC-32 of checksummed rows (``verify_checksums``); returns (every header, row 0's checked
-    header). Shared by these ops and ``horovod_aq.torch.triton_kernels``."""
-    if not single:
-        _check_payload_tensor(rows, 2)
-    world, size = rows.shape
-    if world == 0:
-        raise PayloadError("decode_average needs at least one payload row")
-    if size < HEADER_SIZE:
-        codec.parse_rows(rows[:1].cpu().numpy(), name_rank=not single)  # raises "truncated"
-    headers = _host_headers(rows, name_rank=not single)
-    first = codec.check_rows(headers, table, size, numel=numel, bucket_size=bucket_size,
-                             norm=norm, name_rank=not single)
-    verify_checksums(rows, headers, single=single)
-    return headers, first
 
 
 def decode_average(
@@ -742,8 +529,6 @@ def _decode_with(impl: str, op: str, payload: torch.Tensor, levels: Any, dtype: 
     """``op`` ("decode" / "decode_average") by the compiled CPU kernel or Triton."""
     kwargs = {"numel": numel, "bucket_size": bucket_size, "norm": norm}
     if impl == "triton":
-        from horovod_aq.torch import triton_kernels
-
         return getattr(triton_kernels, op)(payload, levels, dtype=dtype, **kwargs)
     from horovod_aq.codec import fused
 

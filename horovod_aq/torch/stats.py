@@ -13,17 +13,12 @@ import torch
 
 from horovod_aq import codec
 from horovod_aq.levels.histogram import histogram_edges
+from horovod_aq.torch.payload import as_float32_flat
 
 __all__ = ["bucket_moments", "normalized_histogram"]
 
 #: Coordinates binned per pass by ``normalized_histogram`` (bounds its float64 temporaries).
 _HISTOGRAM_CHUNK = 1 << 20
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    from horovod_aq.torch.kernels import _as_float32_flat  # kernels imports this module
-
-    return _as_float32_flat(x)
 
 
 def bucket_moments(x: torch.Tensor, bucket_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -34,7 +29,7 @@ def bucket_moments(x: torch.Tensor, bucket_size: int) -> tuple[np.ndarray, np.nd
     host.
     """
     bucket_size = codec.check_int("bucket_size", bucket_size, 2, codec.MAX_BUCKET_SIZE)
-    flat = _flat(x)
+    flat = as_float32_flat(x)
     full_buckets = flat.numel() // bucket_size
     rows = flat[: full_buckets * bucket_size].view(full_buckets, bucket_size).to(torch.float64)
     norms = rows.square().sum(dim=1).sqrt()
@@ -58,7 +53,7 @@ def normalized_histogram(x: torch.Tensor, bucket_size: int) -> np.ndarray:
     at refit steps; one H-bin vector is copied to the host.
     """
     bucket_size = codec.check_int("bucket_size", bucket_size, 2, codec.MAX_BUCKET_SIZE)
-    flat = _flat(x)
+    flat = as_float32_flat(x)
     edges_np = histogram_edges()
     edges = torch.from_numpy(edges_np.copy()).to(flat.device)
     bins = edges_np.size - 1

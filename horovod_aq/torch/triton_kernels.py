@@ -12,13 +12,13 @@ are reduced in several passes that keep the canonical pairwise order), then quan
 (groups of 8 codes = ``bits`` bytes; Philox4x32-10 per 4 coordinates), and a decode kernel that
 adds the P rows in rank order. Divisions use ``tl.div_rn`` (IEEE), kernels are compiled with
 ``enable_fp_fusion=False`` (no FMA), float64 only in the l2 sums. Headers are made and checked on
-the host with the helpers of ``horovod_aq.torch.kernels``; ``encode`` makes one host sync (the
+the host with the helpers of ``horovod_aq.torch.payload``; ``encode`` makes one host sync (the
 finiteness of the bucket norms), the decoders copy the 32-byte headers to the host once and sync
 once at the end on one flag: every norm finite and ≥ 0, and — for tables with N < 2^b levels,
 where a corrupt code decodes to NaN through the padded lookup — no NaN in the result (one more
 read of the result; with valid norms and levels a NaN arises only so). A bad payload is then
 decoded by the numpy oracle on a host copy, which raises its ``PayloadError``. Checksummed
-payloads (``FLAG_CHECKSUM``) are CRC-32'd on the host (``horovod_aq.torch.kernels``:
+payloads (``FLAG_CHECKSUM``) are CRC-32'd on the host (``horovod_aq.torch.payload``:
 ``seal_checksum``, ``verify_checksums``).
 
 ``import triton`` happens at the first call (``available()`` says whether it can), and the
@@ -39,7 +39,7 @@ from horovod_aq import codec
 from horovod_aq.codec import HEADER_SIZE, NORM_BYTES
 from horovod_aq.codec.stream import MAX_STREAM_NUMEL, StreamKey
 from horovod_aq.levels.table import LevelTable
-from horovod_aq.torch import kernels as _tk
+from horovod_aq.torch import payload as common
 
 __all__ = ["available", "decode", "decode_average", "encode", "interpreting",
            "unavailable_reason"]
@@ -56,7 +56,7 @@ _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 tl: Any = None  # triton.language, bound by _kernels()
 _STATE: dict[str, Any] = {}
 _LOCK = threading.Lock()
-_TABLES = _tk._DeviceCache(8)
+_TABLES = common.DeviceCache(8)
 
 
 # ----------------------------------------------------------------------------- availability
@@ -476,15 +476,15 @@ def encode(
         codes_at = HEADER_SIZE + NORM_BYTES * nb
         payload = _output(out, codec.payload_size(n, bits, bucket_size), device)
         if n == 0:
-            payload[:HEADER_SIZE] = _tk._header(n, table, bucket_size, norm, device)
-            return _tk.seal_checksum(payload) if checksum else payload
+            payload[:HEADER_SIZE] = common.header_tensor(n, table, bucket_size, norm, device)
+            return common.seal_checksum(payload) if checksum else payload
         bucket = min(bucket_size, n)  # the same buckets; keeps B in int32
         direct = out is None  # write norms into the payload only if it is ours
         norms = (payload[HEADER_SIZE:codes_at].view(torch.float32) if direct
                  else torch.empty(nb, dtype=torch.float32, device=device))
         _bucket_norms(flat, norms, bucket, norm)
-        _tk._check_finite(flat, norms)  # one sync; raises the torch kernels' errors
-        payload[:HEADER_SIZE] = _tk._header(n, table, bucket_size, norm, device)
+        common.check_finite(flat, norms)  # one sync; raises the torch kernels' errors
+        payload[:HEADER_SIZE] = common.header_tensor(n, table, bucket_size, norm, device)
         if not direct:
             payload[HEADER_SIZE:codes_at] = norms.view(torch.uint8)
         k0, k1, c1, c2, c3 = (v - 2**32 if v >= 2**31 else v for v in key.scalars())
@@ -495,7 +495,7 @@ def encode(
                 payload[codes_at:], n, bucket, _log2(bucket), tab.num_levels,
                 codec.packed_size(n, bits), k0, k1, c1, c2, c3, BITS=bits, GROUPS=groups,
                 POW2_BUCKET=pow2, WIDE=_wide(n))
-    return _tk.seal_checksum(payload) if checksum else payload
+    return common.seal_checksum(payload) if checksum else payload
 
 
 def _decode_rows(rows: torch.Tensor, header: codec.Header, table: LevelTable,
@@ -528,7 +528,7 @@ def _decode_rows(rows: torch.Tensor, header: codec.Header, table: LevelTable,
             valid.append(~torch.isnan(out).any())
     host = (lambda: codec.decode_average(rows.cpu().numpy(), table)) if average else (
         lambda: codec.decode(rows[0].cpu().numpy(), table))
-    _tk.check_valid(valid, host)
+    common.check_valid(valid, host)
     return out
 
 
@@ -544,8 +544,8 @@ def decode(
     """Decode one uint8 payload into a flat tensor of ``dtype`` on its device
     (``codec.decode``; validation and errors of ``horovod_aq.torch.kernels.decode``)."""
     table = codec.as_table(levels)
-    _tk._check_payload_tensor(payload, 1)
-    _, header = _tk.checked_headers(payload[None], table, numel, bucket_size, norm, single=True)
+    common.check_payload_tensor(payload, 1)
+    _, header = common.checked_headers(payload[None], table, numel, bucket_size, norm, single=True)
     return _decode_rows(payload[None], header, table, average=False).to(dtype)
 
 
@@ -562,5 +562,5 @@ def decode_average(
     rows divided by P, then added in rank order in float32; ``codec.decode_average`` bit for
     bit. Validation and errors of ``horovod_aq.torch.kernels.decode_average``."""
     table = codec.as_table(levels)
-    _, first = _tk.checked_headers(payloads, table, numel, bucket_size, norm)
+    _, first = common.checked_headers(payloads, table, numel, bucket_size, norm)
     return _decode_rows(payloads, first, table, average=True).to(dtype)
