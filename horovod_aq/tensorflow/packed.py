@@ -54,8 +54,7 @@ from horovod_aq.packed.protocol import (
     ExchangeSettings,
     Traffic,
     check_compression,
-    check_handshake,
-    handshake_vector,
+    handshake,
     plan_traffic,
     step_record,
 )
@@ -63,6 +62,7 @@ from horovod_aq.packed.receive import receive_outcome
 from horovod_aq.packed.send import reencode_part, sent_values
 from horovod_aq.telemetry import StepRecord, Telemetry
 from horovod_aq.tensorflow.checks import translate_error
+from horovod_aq.tensorflow.comm import comm_for
 from horovod_aq.tensorflow.payloads import PayloadOps
 from horovod_aq.tensorflow.sources import dense_gradient, source_name, static_shape
 from horovod_aq.tensorflow.state import StatsSlot, TFState, state_variable, tf_state
@@ -350,15 +350,11 @@ class PackedExchange:
         return plan
 
     def _handshake(self, plan: _Plan) -> None:
-        """Compare settings, table, step and layout across the set (eager, once per layout)."""
-        comp = self.compression
-        mine = handshake_vector(comp.fingerprint(), plan.layout, self.ranks)
+        """Compare settings, table, step and layout across the set (``packed.protocol.handshake``
+        over this set's one Comm; eager, once per layout)."""
         with tf.init_scope():
-            gathered = hvd.allgather(tf.constant(mine[None, :]),
-                                     name=names.handshake_name(),
-                                     process_set=self.process_set).numpy()
+            handshake(comm_for(self.process_set), self.compression, plan.layout)
         plan.checked = True
-        check_handshake(gathered, comp.describe_fingerprint)
 
     # ------------------------------------------------------------------ graph
     def _slot(self, numel: int, bucket: str) -> StatsSlot | None:
