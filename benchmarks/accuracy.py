@@ -1,13 +1,22 @@
 """Final test accuracy and loss after a fixed budget: fp32, fp16 and every quantizer.
 
     python benchmarks/accuracy.py             # 4 ranks, seeds 0,1,2, 1 epoch per configuration
+    python benchmarks/accuracy.py --converged --seeds 0 --resume   # 10 epochs, cosine lr; a part
     python benchmarks/accuracy.py --quick     # CI: 2 ranks, 1 seed, 3 configurations, 40 steps
 
 **Task.** Fashion-MNIST (``benchmarks/fashion_mnist.py``: the Debian package
 ``dataset-fashion-mnist``, 60,000 training and 10,000 test images, read from its idx files; the
 setup step installs it with apt-get when missing), the ``SmallCNN`` of ``benchmarks/models.py``
 (281k parameters), 4 ranks, each training on its own 15,000-image shard with batch 32 (global
-batch 128), SGD with momentum 0.9, learning rate ``--lr`` constant, for ``--epochs`` epochs.
+batch 128), SGD with momentum 0.9, learning rate ``--lr`` (constant, or ``--lr-schedule cosine``:
+lr·(1 + cos(π·t/T))/2 at step t of T), for ``--epochs`` epochs.
+
+**Converged runs** (``--converged``): 10 epochs, cosine schedule from lr 0.05, every method with
+its own default bucket size (``--bucket-size 0``), the configurations of :data:`CONVERGED`, and
+the report ``results/accuracy_converged.md``. A full run takes hours on a shared 2-core machine,
+so it runs in parts: ``--seeds 0 --resume`` adds seed 0's runs to what the .json beside the report
+already holds (a (configuration, seed) already there is skipped); each launch runs ``--group``
+configurations and the report and .json are rewritten after each launch.
 
 **Configurations.** fp32, fp16, and each quantizer at 3 bits — QSGD, QSGDinf, NUQSGD, TernGrad
 (always ternary), natural dithering, ALQ, ALQ-N, ALQ-G, AMQ, AMQ-N — plus ALQ, AMQ and QSGDinf at 2
@@ -58,16 +67,32 @@ CONFIGS = (
     ("TernGrad", "terngrad", 2, {}), ("natural 3b", "natural", 3, {}),
     ("ALQ 3b", "alq", 3, {}), ("ALQ-N 3b", "alqn", 3, {}), ("ALQ-G 3b", "alqg", 3, {}),
     ("AMQ 3b", "amq", 3, {}), ("AMQ-N 3b", "amqn", 3, {}),
-    ("ALQ 3b (L∞)", "alq", 3, {"norm": "linf"}),
+    ("ALQ 3b (L2)", "alq", 3, {"norm": "l2"}),
     ("ALQ 2b", "alq", 2, {}), ("AMQ 2b", "amq", 2, {}), ("ALQ 2b (L2)", "alq", 2, {"norm": "l2"}),
-    ("QSGDinf 2b", "qsgdinf", 2, {}),
+    ("QSGDinf 2b", "qsgdinf", 2, {}), ("ALQ 4b", "alq", 4, {}),
+    ("EF(ALQ 2b)", "alq", 2, {"error_feedback": True}),
+    ("ALQ 3b (L2 B1024)", "alq", 3, {"norm": "l2", "bucket_size": 1024}),
 )
 QUICK_CONFIGS = ("fp32", "QSGDinf 3b", "ALQ 3b")
+#: The converged benchmark's configurations (docs/quantizers.md §5.6, §5.7 cite it).
+CONVERGED = ("fp32", "ALQ 2b", "ALQ 3b", "ALQ 4b", "AMQ 3b", "QSGDinf 3b", "QSGD 3b",
+             "NUQSGD 3b", "natural 3b", "TernGrad", "EF(ALQ 2b)", "ALQ 3b (L2 B1024)")
+
+
+def lr_at(step: int, total: int, lr: float, schedule: str) -> float:
+    """The learning rate of step ``step`` of ``total``: ``lr``, or lr·(1 + cos(π·step/total))/2."""
+    if schedule == "constant":
+        return lr
+    return 0.5 * lr * (1.0 + math.cos(math.pi * step / max(1, total)))
 
 
 def train_config(label: str, method: str, bits: int, seed: int, epochs: float, lr: float,
-                 batch: int, bucket_size: int | None, options: dict | None = None) -> dict:
-    """Runs in every rank: train one configuration from scratch, evaluate on the test set."""
+                 batch: int, bucket_size: int | None, options: dict | None = None,
+                 lr_schedule: str = "constant") -> dict:
+    """Runs in every rank: train one configuration from scratch, evaluate on the test set.
+
+    ``options``: compressor arguments (they win over ``bucket_size``), and ``error_feedback``:
+    wrap the compressor in :class:`horovod_aq.ErrorFeedback` (its default coefficients)."""
     import horovod.torch as hvd
     import numpy as np
     import torch
@@ -88,12 +113,16 @@ def train_config(label: str, method: str, bits: int, seed: int, epochs: float, l
     xs, ys = torch.from_numpy(shard.images), torch.from_numpy(shard.labels)
     torch.manual_seed(seed)
     model = SmallCNN()
-    kwargs = {"seed": seed, "name": f"acc.{_slug(label)}.s{seed}", **(options or {})}
+    options = dict(options or {})
+    error_feedback = options.pop("error_feedback", False)
+    kwargs = {"seed": seed, "name": f"acc.{_slug(label)}.s{seed}", **options}
     if method not in ("none", "fp16"):
         kwargs["bits"] = bits
         if bucket_size:
-            kwargs["bucket_size"] = bucket_size
+            kwargs.setdefault("bucket_size", bucket_size)
     comp = horovod_aq.from_name(method, **kwargs)
+    if error_feedback:
+        comp = horovod_aq.ErrorFeedback(comp)
     opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
                                    named_parameters=model.named_parameters(), compression=comp,
                                    exchange="auto")
@@ -114,6 +143,8 @@ def train_config(label: str, method: str, bits: int, seed: int, epochs: float, l
             if step >= total:
                 break
             idx = order[i * batch:(i + 1) * batch]
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, total, lr, lr_schedule)
             opt.zero_grad()
             loss = F.cross_entropy(model(xs[idx]), ys[idx])
             loss.backward()
@@ -141,12 +172,13 @@ def train_config(label: str, method: str, bits: int, seed: int, epochs: float, l
             "bytes_per_step": totals["bytes_sent"] / max(1, totals["steps"]),
             "bytes_fp32_per_step": totals["bytes_fp32"] / max(1, totals["steps"]),
             "bucket_size": comp.bucket_size if comp.quantizes else None,
+            "norm": comp.norm if comp.quantizes else None,
             "table_version": comp.table.version if comp.quantizes else None}
 
 
 def _slug(label: str) -> str:
     """``label`` as a name: "ALQ 2b (L2)" → "ALQ_2b_L2"."""
-    return label.replace(" ", "_").replace("(", "").replace(")", "")
+    return label.replace(" ", "_").replace("(", "").replace(")", "").replace("∞", "inf")
 
 
 def _named(label: str, seed: int):
@@ -195,21 +227,45 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help=f"CI: 2 ranks, seed 0, {', '.join(QUICK_CONFIGS)}, 40 steps")
+    p.add_argument("--converged", action="store_true",
+                   help="10 epochs, cosine lr from 0.05, per-method bucket sizes, the CONVERGED "
+                        "configurations, report results/accuracy_converged.md")
     p.add_argument("--np", type=int, default=4)
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--epochs", type=float, default=1.0,
-                   help="training budget per configuration, in epochs of the training set")
-    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--epochs", type=float, default=None,
+                   help="training budget per configuration, in epochs of the training set "
+                        "(default 1; --converged: 10)")
+    p.add_argument("--lr", type=float, default=None, help="(peak) learning rate (default 0.02; "
+                   "--converged: 0.05)")
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default=None,
+                   help="default constant; --converged: cosine")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
-    p.add_argument("--bucket-size", type=int, default=1024,
-                   help="bucket size of every quantizer (0: each method's own default)")
+    p.add_argument("--bucket-size", type=int, default=None,
+                   help="bucket size of every quantizer (0: each method's own default; "
+                        "default 1024, --converged: 0)")
     p.add_argument("--configs", default=None,
-                   help="comma list of configuration labels (default: all); "
-                        + "; ".join(c[0] for c in CONFIGS))
+                   help="comma list of configuration labels (default: all; --converged: "
+                        "CONVERGED); " + "; ".join(c[0] for c in CONFIGS))
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs the report's .json already holds; run only the missing "
+                        "(configuration, seed) pairs")
+    p.add_argument("--group", type=int, default=0,
+                   help="configurations per launch (0: all of a seed in one launch)")
     p.add_argument("--controller", choices=["gloo", "mpi"], default="gloo")
     p.add_argument("--timeout", type=float, default=None, help="limit per launch (s)")
+    p.add_argument("--report", default=None,
+                   help="report name under benchmarks/results/ (default accuracy; --converged: "
+                        "accuracy_converged)")
     args = p.parse_args(argv)
+    preset = {"epochs": 10.0, "lr": 0.05, "lr_schedule": "cosine", "bucket_size": 0} \
+        if args.converged else {"epochs": 1.0, "lr": 0.02, "lr_schedule": "constant",
+                                "bucket_size": 1024}
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     chosen = [c.strip() for c in args.configs.split(",")] if args.configs else None
+    if args.converged:
+        chosen = chosen or list(CONVERGED)
     if args.quick:
         args.np, args.seeds = 2, "0"
         chosen = chosen or list(QUICK_CONFIGS)
@@ -220,9 +276,70 @@ def parse_args(argv=None) -> argparse.Namespace:
         if unknown:
             p.error(f"unknown configurations {sorted(unknown)}; choose from {labels}")
     args.configs = [c for c in CONFIGS if chosen is None or c[0] in chosen]
+    args.report = args.report or ("accuracy_converged" if args.converged else "accuracy")
     if args.timeout is None:
         args.timeout = 600 if args.quick else 3 * 3600
     return args
+
+
+def render(args: argparse.Namespace, results: dict[str, list[dict]], wall: float,
+           epochs: float) -> Path:
+    """Write the report (table, figure, notes) and the .json of every run; returns the .md."""
+    fp32 = results.get("fp32")
+    fp32_bytes = statistics.fmean(r["bytes_per_step"] for r in fp32) if fp32 else None
+    fp32_acc = {r["seed"]: r["test_acc"] for r in fp32 or []}
+    rows = []
+    for label, runs in results.items():
+        if not runs:
+            continue
+        bits = statistics.fmean(r["bits_per_coordinate"] for r in runs)
+        sent = statistics.fmean(r["bytes_per_step"] for r in runs)
+        ratio = (f"{sent / fp32_bytes:.4f}" if fp32_bytes else
+                 f"{sent / statistics.fmean(r['bytes_fp32_per_step'] for r in runs):.4f}")
+        diverged = sum(1 for r in runs if r["diverged"])
+        paired = [r["test_acc"] - fp32_acc[r["seed"]] for r in runs if r["seed"] in fp32_acc]
+        rows.append([label, fmt([r["test_acc"] for r in runs], 2, 100),
+                     fmt(paired, 2, 100) if label != "fp32" and paired else "—",
+                     fmt([r["test_loss"] for r in runs], 4),
+                     f"{bits:.3f}", f"{sent / 1e6:.3f}", ratio,
+                     f"{diverged}/{len(runs)}" if diverged else "0",
+                     ", ".join(str(r["seed"]) for r in runs),
+                     f"{statistics.fmean(r['seconds'] for r in runs):.0f}"])
+    table = report.markdown_table(
+        ["configuration", "test accuracy (%)", "minus fp32, paired by seed (pt)", "test loss",
+         "bits/coordinate", "MB sent/rank/step", "bytes vs fp32", "diverged", "seeds",
+         "s per run"], rows)
+    fig = report.figure_path(args.report, quick=args.quick)
+    plot(results, fig)
+    r0 = next(r for runs in results.values() for r in runs)
+    schedule = ("constant" if args.lr_schedule == "constant"
+                else "cosine decay to 0 over the budget")
+    notes = [
+        f"Task: Fashion-MNIST (60k train / 10k test, Debian dataset-fashion-mnist), SmallCNN "
+        f"(281,034 parameters), {args.np} ranks ({args.controller}), batch {args.batch}/rank, "
+        f"SGD lr {args.lr} ({schedule}) momentum 0.9, budget {epochs:g} epochs "
+        f"({r0['steps']} steps) per run",
+        "Seeds: mean ± sample std over the seeds each row lists; the paired column is the mean "
+        "± sample std of (row − fp32) per seed (same initial weights and data order); all "
+        "configurations of a launch share one seed",
+        "Every row uses horovod_aq.torch.DistributedOptimizer (exchange='auto'): fp32/fp16 via "
+        "NoCompression/FP16 (named Horovod allreduce), quantizers packed, bucket "
+        f"{args.bucket_size or 'per-method default (adaptive 256, fixed 512 unless the row says)'}"
+        "; TernGrad is ternary (2-bit codes); EF(…) is ErrorFeedback with its default "
+        "coefficients",
+        f"Wall time of this invocation {wall / 60:.1f} min",
+    ]
+    body = (table + "\n\nbits/coordinate: payload bits per quantized coordinate (codes + fp32 "
+            "norms + header); bytes vs fp32: telemetry bytes sent per rank per step ÷ fp32's.\n"
+            f"\n![test accuracy per epoch]({fig.name})\n")
+    failures = [f"{lb} seed {r['seed']}: {r['diverged']}" for lb, runs in results.items()
+                for r in runs if r["diverged"]]
+    if failures:
+        body += "\nDiverged runs:\n" + "\n".join(f"- {f}" for f in failures) + "\n"
+    path = report.write(args.report, "Test accuracy after a fixed budget", body,
+                        quick=args.quick, notes=notes)
+    path.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    return path
 
 
 def main(argv=None) -> int:
@@ -233,63 +350,36 @@ def main(argv=None) -> int:
     fashion_mnist.ensure_installed()
     shard = 60000 // args.np
     epochs = args.epochs if not args.quick else 40 / (shard // args.batch)
+    saved = report.figure_path(args.report, quick=args.quick).with_suffix(".json")
     results: dict[str, list[dict]] = {c[0]: [] for c in args.configs}
+    if args.resume and saved.exists():
+        for label, runs in json.loads(saved.read_text()).items():
+            results.setdefault(label, []).extend(runs)
     t_all = time.monotonic()
+    path = None
     for seed in args.seeds:
-        checks = [(_named(label, seed),
-                   {"label": label, "method": method, "bits": bits, "seed": seed,
-                    "epochs": epochs, "lr": args.lr, "batch": args.batch,
-                    "bucket_size": args.bucket_size or None, "options": options})
-                  for label, method, bits, options in args.configs]
-        t0 = time.monotonic()
-        launch = run_local(checks, np=args.np, controller=args.controller, timeout=args.timeout)
-        for check, (label, *_) in zip(checks, args.configs):
-            results[label].append(launch.get(check[0])[0])
-        print(f"seed {seed}: {len(checks)} configurations in {time.monotonic() - t0:.0f} s",
-              file=sys.stderr, flush=True)
-    wall = time.monotonic() - t_all
-
-    fp32 = results.get("fp32")
-    fp32_bytes = statistics.fmean(r["bytes_per_step"] for r in fp32) if fp32 else None
-    rows = []
-    for label, runs in results.items():
-        bits = statistics.fmean(r["bits_per_coordinate"] for r in runs)
-        sent = statistics.fmean(r["bytes_per_step"] for r in runs)
-        ratio = (f"{sent / fp32_bytes:.4f}" if fp32_bytes else
-                 f"{sent / statistics.fmean(r['bytes_fp32_per_step'] for r in runs):.4f}")
-        diverged = sum(1 for r in runs if r["diverged"])
-        rows.append([label, fmt([r["test_acc"] for r in runs], 2, 100),
-                     fmt([r["test_loss"] for r in runs], 4),
-                     f"{bits:.3f}", f"{sent / 1e6:.3f}", ratio,
-                     f"{diverged}/{len(runs)}" if diverged else "0",
-                     f"{statistics.fmean(r['seconds'] for r in runs):.0f}"])
-    table = report.markdown_table(
-        ["configuration", "test accuracy (%)", "test loss", "bits/coordinate",
-         "MB sent/rank/step", "bytes vs fp32", "diverged", "s per run"], rows)
-    fig = report.figure_path("accuracy", quick=args.quick)
-    plot(results, fig)
-    r0 = next(iter(results.values()))[0]
-    notes = [
-        f"Task: Fashion-MNIST (60k train / 10k test, Debian dataset-fashion-mnist), SmallCNN "
-        f"(281,034 parameters), {args.np} ranks ({args.controller}), batch {args.batch}/rank, "
-        f"SGD lr {args.lr} momentum 0.9, budget {epochs:g} epochs ({r0['steps']} steps) per run",
-        f"Seeds {', '.join(map(str, args.seeds))} (mean ± sample std over seeds); all "
-        "configurations of a seed in one launch, same initial weights",
-        "Every row uses horovod_aq.torch.DistributedOptimizer (exchange='auto'): fp32/fp16 via "
-        "NoCompression/FP16 (named Horovod allreduce), quantizers packed, bucket "
-        f"{args.bucket_size or 'per-method default'}; TernGrad is ternary (2-bit codes)",
-        f"Wall time {wall / 60:.1f} min",
-    ]
-    body = (table + "\n\nbits/coordinate: payload bits per quantized coordinate (codes + fp32 "
-            "norms + header); bytes vs fp32: telemetry bytes sent per rank per step ÷ fp32's.\n"
-            f"\n![test accuracy per epoch]({fig.name})\n")
-    failures = [f"{lb} seed {r['seed']}: {r['diverged']}" for lb, runs in results.items()
-                for r in runs if r["diverged"]]
-    if failures:
-        body += "\nDiverged runs:\n" + "\n".join(f"- {f}" for f in failures) + "\n"
-    path = report.write("accuracy", "Test accuracy after a fixed budget", body,
-                        quick=args.quick, notes=notes)
-    path.with_suffix(".json").write_text(json.dumps(results, indent=1))
+        todo = [c for c in args.configs
+                if not any(r["seed"] == seed for r in results.get(c[0], []))]
+        size = args.group or len(todo) or 1
+        for start in range(0, len(todo), size):
+            part = todo[start:start + size]
+            checks = [(_named(label, seed),
+                       {"label": label, "method": method, "bits": bits, "seed": seed,
+                        "epochs": epochs, "lr": args.lr, "batch": args.batch,
+                        "bucket_size": args.bucket_size or None, "options": options,
+                        "lr_schedule": args.lr_schedule})
+                      for label, method, bits, options in part]
+            t0 = time.monotonic()
+            launch = run_local(checks, np=args.np, controller=args.controller,
+                               timeout=args.timeout)
+            for check, (label, *_) in zip(checks, part):
+                results.setdefault(label, []).append(launch.get(check[0])[0])
+                results[label].sort(key=lambda r: r["seed"])
+            print(f"seed {seed}: {len(checks)} configurations in {time.monotonic() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+            path = render(args, results, time.monotonic() - t_all, epochs)
+    if path is None:
+        path = render(args, results, time.monotonic() - t_all, epochs)
     print(path.read_text())
     return 0
 

@@ -1,13 +1,17 @@
 """Test accuracy under PyTorch DDP: fp32 vs PowerSGD vs the horovod_aq ALQ hook, at matched bytes.
 
     python benchmarks/ddp_accuracy.py --procs 4 --seeds 0,1 --epochs 1
+    python benchmarks/ddp_accuracy.py --converged --seeds 0 --resume   # 10 epochs, cosine lr
     python benchmarks/ddp_accuracy.py --quick       # smoke test: 2 processes, 20 steps, seed 0
 
 **Task and recipe** are those of ``benchmarks/accuracy.py`` (imported, not copied): Fashion-MNIST
 (``benchmarks/fashion_mnist.py``), the ``SmallCNN`` of ``benchmarks/models.py``, each process
 training on its own shard (``Split.shard``) with ``accuracy.py``'s default batch (32 per
 process), SGD with momentum 0.9 at its default constant learning rate, the same data order
-(generator seeded ``seed*1000 + rank``), for ``--epochs`` epochs. The difference: no Horovod.
+(generator seeded ``seed*1000 + rank``), for ``--epochs`` epochs, ``--lr-schedule`` constant or
+cosine (``accuracy.lr_at``). ``--converged``: 10 epochs, cosine from lr 0.05 (``accuracy.py
+--converged``'s recipe), report ``results/ddp_accuracy_converged.md``; ``--resume`` keeps the seeds
+its .json already holds, so the seeds can run in parts. The difference: no Horovod.
 The processes are started with ``torch.multiprocessing.spawn`` (one thread each), joined by a
 Gloo process group, and the model is wrapped in ``DistributedDataParallel``.
 
@@ -191,6 +195,8 @@ def _train(cfg: dict, kind: str, *, bits: int = 0, prank: int = 0) -> dict:
             if step >= total:
                 break
             idx = order[i * batch:(i + 1) * batch]
+            for group in opt.param_groups:
+                group["lr"] = accuracy.lr_at(step, total, cfg["lr"], cfg["lr_schedule"])
             opt.zero_grad()
             F.cross_entropy(net(xs[idx]), ys[idx]).backward()
             opt.step()
@@ -271,11 +277,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help=f"smoke test: 2 processes, seed 0, {QUICK_STEPS} steps per run")
+    p.add_argument("--converged", action="store_true",
+                   help="10 epochs, cosine lr from 0.05, seeds 0,1,2, report "
+                        "results/ddp_accuracy_converged.md")
     p.add_argument("--procs", type=int, default=4, help="DDP processes (Gloo, 1 thread each)")
-    p.add_argument("--seeds", default="0,1")
-    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--seeds", default=None, help="default 0,1 (--converged: 0,1,2)")
+    p.add_argument("--epochs", type=float, default=None, help="default 1 (--converged: 10)")
     p.add_argument("--steps", type=int, default=0, help="steps per run (overrides --epochs)")
-    p.add_argument("--lr", type=float, default=base.lr)
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"(peak) learning rate (default {base.lr}; --converged: 0.05)")
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default=None,
+                   help="default constant (--converged: cosine)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the seeds the report's .json already holds; run the others")
     p.add_argument("--batch", type=int, default=base.batch, help="samples per process per step")
     p.add_argument("--bits", default="2,3", help="ALQ widths (each gets a matched PowerSGD)")
     p.add_argument("--ranks", default=None,
@@ -284,6 +298,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="report path (default benchmarks/results/ddp_accuracy.md; "
                         "--quick: results/quick/); a .json with every run goes beside it")
     args = p.parse_args(argv)
+    preset = ({"seeds": "0,1,2", "epochs": 10.0, "lr": 0.05, "lr_schedule": "cosine"}
+              if args.converged else
+              {"seeds": "0,1", "epochs": 1.0, "lr": base.lr, "lr_schedule": "constant"})
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.quick:
         args.procs, args.seeds, args.steps = 2, "0", args.steps or QUICK_STEPS
     args.seeds = [int(s) for s in args.seeds.split(",")]
@@ -293,7 +313,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--ranks needs one rank per --bits entry")
     if args.out is None:
         args.out = str((report.RESULTS / "quick" if args.quick else report.RESULTS)
-                       / "ddp_accuracy.md")
+                       / ("ddp_accuracy_converged.md" if args.converged else "ddp_accuracy.md"))
     return args
 
 
@@ -303,7 +323,8 @@ def run_seed(args: argparse.Namespace, seed: int) -> list[tuple[str, dict]]:
     for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[k] = "1"
     with tempfile.TemporaryDirectory(prefix="ddp_accuracy.") as tmp:
-        cfg = {"seed": seed, "procs": args.procs, "lr": args.lr, "batch": args.batch,
+        cfg = {"seed": seed, "procs": args.procs, "lr": args.lr,
+               "lr_schedule": args.lr_schedule, "batch": args.batch,
                "epochs": args.epochs, "steps": args.steps, "bits": args.bits,
                "ranks": args.ranks, "store": os.path.join(tmp, "store"),
                "result": os.path.join(tmp, "result.json")}
@@ -339,7 +360,8 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]], wall: float
     notes = [
         f"Task: Fashion-MNIST, SmallCNN ({r0['numel']:,} parameters), PyTorch DDP with "
         f"{args.procs} processes (torch.multiprocessing.spawn, Gloo, 1 thread each), batch "
-        f"{args.batch}/process, SGD lr {args.lr} momentum 0.9, {r0['steps']} steps per run "
+        f"{args.batch}/process, SGD lr {args.lr} ({args.lr_schedule}) momentum 0.9, "
+        f"{r0['steps']} steps per run "
         + (f"({args.epochs:g} epoch)" if not args.steps else "(--steps)"),
         f"Seeds {', '.join(str(r['seed']) for r in results['fp32'])} of "
         f"{', '.join(map(str, args.seeds))} done (mean ± sample std over seeds); all "
@@ -368,8 +390,13 @@ def main(argv=None) -> int:
     results: dict[str, list[dict]] = {}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.resume and out.with_suffix(".json").exists():
+        results = json.loads(out.with_suffix(".json").read_text())
+    done = {r["seed"] for r in results.get("fp32", [])}
     t_all = time.monotonic()
     for seed in args.seeds:
+        if seed in done:
+            continue
         t0 = time.monotonic()
         for label, r in run_seed(args, seed):
             results.setdefault(label, []).append(r)

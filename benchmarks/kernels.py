@@ -9,6 +9,13 @@ memory copy (``np.copyto`` of 4·n bytes) measured in the same run, with the rat
 
     python benchmarks/kernels.py                  # 1M, 16M, 64M elements; 2/3/4/8 bits
     python benchmarks/kernels.py --quick          # CI: small sizes, a few seconds per framework
+    python benchmarks/kernels.py --entropy        # the entropy-coded wire (docs/format.md §12)
+                                                  # beside the fixed-width kernel, ALQ tables
+
+``--entropy`` measures ``fused`` (fixed width) and ``fused-entropy`` (quantize + entropy-code,
+decode + average of entropy-coded rows) on ALQ tables fitted to the vector, reports the wire's
+bits per coordinate with the empirical entropy of the codes, and writes
+benchmarks/results/kernels_entropy.md.
 
 Results go to benchmarks/results/kernels.md (``--output``) with the command, the machine, the
 library versions and the thread counts. TensorFlow runs ``encode_with`` / ``decode_with`` inside
@@ -43,8 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="small sizes for CI (64K, 1M; 2 and 8 bits)")
     p.add_argument("--sizes", default=None, help="comma list from " + ",".join(SIZES))
     p.add_argument("--bits", default=None, help="comma list, default 2,3,4,8")
-    p.add_argument("--frameworks", default="numpy,fused,torch-ops,torch,tf",
-                   help="comma list of numpy, fused, torch-ops, torch, tf")
+    p.add_argument("--frameworks", default=None,
+                   help="comma list of numpy, fused, fused-entropy, torch-ops, torch, tf "
+                        "(default all but fused-entropy; with --entropy: fused,fused-entropy)")
+    p.add_argument("--entropy", action="store_true",
+                   help="the entropy-coded wire beside the fixed-width kernel, on ALQ tables")
     p.add_argument("--bucket-size", type=int, default=1024)
     p.add_argument("--norm", default="l2", choices=sorted(codec.NORM_CODES))
     p.add_argument("--repeats", type=int, default=None,
@@ -54,13 +64,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.sizes = (args.sizes or ("64K,1M" if args.quick else "1M,16M,64M")).split(",")
     args.bits = [int(b) for b in (args.bits or ("2,8" if args.quick else "2,3,4,8")).split(",")]
-    args.frameworks = args.frameworks.split(",")
+    args.frameworks = (args.frameworks or ("fused,fused-entropy" if args.entropy else
+                                           "numpy,fused,torch-ops,torch,tf")).split(",")
     unknown = set(args.sizes) - set(SIZES)
     if unknown:
         p.error(f"unknown sizes {sorted(unknown)}; use {sorted(SIZES)}")
     if args.output is None:
         folder = ROOT / "benchmarks" / "results" / ("quick" if args.quick else "")
-        args.output = str(folder / "kernels.md")
+        args.output = str(folder / ("kernels_entropy.md" if args.entropy else "kernels.md"))
     return args
 
 
@@ -117,6 +128,24 @@ class FusedBench:
         avg = np.empty(x.size, np.float32)
         return (lambda: fused.encode(x, table, bucket_size=bucket, norm=norm, key=key, out=out),
                 lambda: fused.decode_average(rows, table, out=avg))
+
+
+class FusedEntropyBench(FusedBench):
+    """``horovod_aq.codec.fused_entropy``: the fused quantizer with one code per byte, the
+    histogram, the per-payload model and interleaved rANS; decode + average of P rows."""
+
+    name = "fused entropy-coded"
+
+    def prepare(self, x, table, bucket, norm, key):
+        from horovod_aq.codec import fused_entropy
+
+        self.payload = fused_entropy.encode_entropy(x, table, bucket_size=bucket, norm=norm,
+                                                    key=key)
+        rows = [self.payload] * DECODE_RANKS
+        avg = np.empty(x.size, np.float32)
+        return (lambda: fused_entropy.encode_entropy(x, table, bucket_size=bucket, norm=norm,
+                                                     key=key),
+                lambda: fused_entropy.decode_average(rows, table, out=avg))
 
 
 class TorchBench:
@@ -197,6 +226,8 @@ def make_bench(name: str):
             return NumpyBench()
         if name == "fused":
             return FusedBench()
+        if name == "fused-entropy":
+            return FusedEntropyBench()
         if name == "torch-ops":
             return TorchBench("ops")
         if name == "torch":
@@ -230,7 +261,9 @@ def main(argv=None) -> int:
         copy_gbs = 4 * n / copy / 1e9
         print(f"{size_name}: memcpy {copy_gbs:.2f} GB/s", flush=True)
         for bits in args.bits:
-            table = LevelTable(np.linspace(-1.0, 1.0, 2**bits))
+            table = alq_table(x, bits, args.bucket_size) if args.entropy else LevelTable(
+                np.linspace(-1.0, 1.0, 2**bits))
+            wire = wire_bits(x, table, args.bucket_size, args.norm, key) if args.entropy else ""
             for bench in benches:
                 if bench.name == "numpy oracle" and n > SIZES["16M"]:
                     continue  # minutes per call; its speed is known from the smaller sizes
@@ -238,7 +271,8 @@ def main(argv=None) -> int:
                 enc = 4 * n / best_time(encode, repeats) / 1e9
                 dec = 4 * n * DECODE_RANKS / best_time(decode, repeats) / 1e9
                 rows.append((bench.name, bits, size_name, enc, enc / copy_gbs, dec,
-                             dec / copy_gbs, copy_gbs))
+                             dec / copy_gbs, copy_gbs)
+                            + ((wire[bench.name],) if args.entropy else ()))
                 print(f"  {bench.name:18s} {bits} bits: encode {enc:6.3f} GB/s "
                       f"({enc / copy_gbs:.3f}x memcpy), decode {dec:6.3f} GB/s "
                       f"({dec / copy_gbs:.3f}x)", flush=True)
@@ -247,6 +281,33 @@ def main(argv=None) -> int:
     write_report(args, benches, rows, load_start, loadavg(), elapsed)
     print(f"wrote {args.output}")
     return 0
+
+
+def alq_table(x: np.ndarray, bits: int, bucket: int) -> LevelTable:
+    """The ALQ table fitted to x (one refit, as at step 0 of training)."""
+    import horovod_aq
+    from horovod_aq.refit import LocalComm
+
+    comp = horovod_aq.ALQ(bits=bits, bucket_size=bucket)
+    comp.record_gradient(x)
+    comp.end_step(LocalComm())
+    return comp.table
+
+
+def wire_bits(x, table, bucket, norm, key) -> dict[str, str]:
+    """Bits per coordinate each implementation sends, and the codes' empirical entropy H."""
+    from horovod_aq.codec import fused_entropy
+
+    n = x.size
+    coded = fused_entropy.encode_entropy(x, table, bucket_size=bucket, norm=norm, key=key)
+    codes, _ = codec.quantize_codes(x[: 1 << 20], table, bucket_size=bucket, norm=norm,
+                                    uniforms=codec.stream_uniforms(min(n, 1 << 20), key))
+    entropy = codec.empirical_entropy(codes, table.num_levels)
+    norms = 32.0 * codec.num_buckets(n, bucket) / n
+    wire = 8 * coded.size / n
+    return {"fused CPU (numba)": f"{8 * codec.payload_size(n, table.bits, bucket) / n:.3f}",
+            "fused entropy-coded": f"{wire:.3f} (H + norms = {entropy + norms:.3f}: "
+                                   f"×{wire / (entropy + norms):.3f})"}
 
 
 def write_report(args, benches, rows, load_start, load_end, elapsed) -> None:
@@ -278,14 +339,24 @@ def write_report(args, benches, rows, load_start, load_end, elapsed) -> None:
          "HOROVOD_AQ_KERNELS=ops; torch (dispatch) = the same module as the optimizer calls it "
          "(CPU tensors go to the fused kernel); tf = `encode_with` / `decode_average_with` in "
          "`tf.function`, levels and header in variables."),
+    ]
+    if args.entropy:
+        lines += [
+            ("- Entropy mode: tables are ALQ fitted to the vector (one refit); `fused "
+             "entropy-coded` = `horovod_aq.codec.fused_entropy` (quantize + entropy-code; decode "
+             "+ average of entropy-coded rows); wire = bits per coordinate of the payload, with "
+             "the codes' empirical entropy H (first 1M coordinates) + 32·⌈n/B⌉/n of norms and "
+             "the ratio (target ≤ 1.1). CPU targets: encode ≥ 2 GB/s, decode ≥ 2 GB/s."),
+        ]
+    lines += [
         "",
         ("| implementation | bits | n | encode GB/s | encode / memcpy | decode GB/s | "
-         "decode / memcpy | memcpy GB/s |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+         "decode / memcpy | memcpy GB/s |" + (" wire bits/coordinate |" if args.entropy else "")),
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.entropy else ""),
     ]
-    for name, bits, size, enc, enc_r, dec, dec_r, copy in rows:
+    for name, bits, size, enc, enc_r, dec, dec_r, copy, *wire in rows:
         lines.append(f"| {name} | {bits} | {size} | {enc:.3f} | {enc_r:.3f} | {dec:.3f} | "
-                     f"{dec_r:.3f} | {copy:.2f} |")
+                     f"{dec_r:.3f} | {copy:.2f} |" + "".join(f" {w} |" for w in wire))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

@@ -72,8 +72,8 @@ MC_CHECKS = (("QSGD", 3, 1024), ("NUQSGD", 3, 8192), ("ALQ (histogram)", 3, 8192
              ("ALQ (mixture)", 3, 8192), ("ALQ (histogram, L2)", 3, 8192),
              ("AMQ (histogram)", 2, 1024))
 #: How the norms are written; labels of adaptive methods name the norm unless it is L∞ (the
-#: package default up to ``horovod_aq.compressors.adaptive.LINF_DEFAULT_MAX_BITS`` = 2 bits; from
-#: 3 bits the default is L2, docs/quantizers.md §5.6). Every variant passes its norm explicitly.
+#: package default at every width but AMQ-N's from 3 bits, docs/quantizers.md §5.6). Every variant
+#: passes its norm explicitly.
 NORM_NAMES = {"linf": "L∞", "l2": "L2"}
 DEFAULT_NORM = "linf"
 

@@ -29,6 +29,8 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--bits", type=int, default=3, help="bits per coordinate (1..8)")
     p.add_argument("--bucket-size", type=int, default=None,
                    help="coordinates per quantization bucket (default: the method's)")
+    p.add_argument("--norm", choices=["l2", "linf"], default=None,
+                   help="bucket scale (default: the method's)")
     p.add_argument("--error-feedback", action="store_true",
                    help="wrap the quantizer in ECQ-SGD error compensation")
     p.add_argument("--exchange", choices=["auto", "allgather", "two_phase", "stock"],
@@ -49,6 +51,8 @@ def make_compressor(args: argparse.Namespace) -> horovod_aq.Compressor:
     kwargs: dict[str, Any] = {"bits": args.bits, "seed": args.seed}
     if args.bucket_size is not None:
         kwargs["bucket_size"] = args.bucket_size
+    if args.norm is not None:
+        kwargs["norm"] = args.norm
     if args.compression in ("none", "fp16"):
         kwargs = {}
     comp = horovod_aq.from_name(args.compression, **kwargs)
@@ -73,9 +77,29 @@ def make_telemetry(args: argparse.Namespace, rank: int, framework: str) -> Telem
     return Telemetry(sinks, log_every=0)
 
 
+#: How the examples name a method in titles (``horovod_aq.METHODS`` keys → display names).
+DISPLAY = {"alq": "ALQ", "alqn": "ALQ-N", "alqg": "ALQ-G", "amq": "AMQ", "amqn": "AMQ-N",
+           "qsgd": "QSGD", "qsgdinf": "QSGDinf", "nuqsgd": "NUQSGD", "terngrad": "TernGrad",
+           "natural": "natural dithering", "dqsgd": "DQSGD"}
+
+
+def label(compression: Any) -> str:
+    """What a run is called in titles: "fp32", "fp16", "ALQ 3-bit", "TernGrad (ternary)", and
+    " + error feedback" for an ErrorFeedback."""
+    quantizer = compression.quantizer
+    if not quantizer.quantizes:
+        return "fp16" if quantizer.method == "fp16" else "fp32"
+    name = DISPLAY.get(quantizer.method, quantizer.method)
+    text = f"{name} (ternary)" if quantizer.method == "terngrad" else f"{name} {quantizer.bits}-bit"
+    return text + (" + error feedback" if compression.error_memory is not None else "")
+
+
 def progress(it: Iterable, show: bool, desc: str) -> Iterable:
-    """A tqdm progress bar when ``show`` (rank 0, unless --no-progress), else ``it`` itself."""
-    if not show:
+    """A tqdm progress bar when ``show`` (rank 0, unless --no-progress) and stderr is a terminal,
+    else ``it`` itself. Under horovodrun stderr is a pipe that prefixes every line with its rank,
+    so a redrawn bar would print a new prefixed line per update: the per-epoch lines are the
+    progress there (``horovod-aq demo`` draws one bar of its own)."""
+    if not show or not sys.stderr.isatty():
         return it
     try:
         from tqdm import tqdm
@@ -135,7 +159,8 @@ def summary(args: argparse.Namespace, history: list[dict[str, float]], telemetry
     sent = sum(h["bytes_sent"] for h in history)
     fp32 = sum(h["bytes_fp32"] for h in history)
     last = history[-1]
-    return {"compression": args.compression, "bits": args.bits, "exchange": args.exchange,
+    return {"compression": args.compression, "bits": args.bits, "label": label(compression),
+            "exchange": args.exchange,
             "ranks": ranks, "epochs": len(history), "test_acc": last["test_acc"],
             "test_loss": last["test_loss"], "bytes_sent": sent, "bytes_fp32": fp32,
             "compression_ratio": fp32 / sent if sent else float("nan"),
@@ -158,8 +183,9 @@ def local_gradient(model: Any, loss_fn: Callable[[Any], Any]) -> np.ndarray:
 def finish(args: argparse.Namespace, result: dict[str, Any], history: list[dict[str, float]],
            compression: horovod_aq.Compressor, gradient: np.ndarray | None = None) -> None:
     """Rank 0: print the summary, write metrics.json and plots under ``args.out``."""
-    print(f"\n== {args.compression} {args.bits}-bit, {result['ranks']} ranks, "
-          f"{result['epochs']} epochs ({args.exchange} exchange) ==")
+    name = label(compression)
+    print(f"\n== {name}, {result['ranks']} ranks, {result['epochs']} epochs "
+          f"({args.exchange} exchange) ==")
     print(f"test accuracy {100 * result['test_acc']:.2f}%  (loss {result['test_loss']:.4f})")
     print(f"sent {_mb(result['bytes_sent'])} of gradients; an fp32 allreduce would send "
           f"{_mb(result['bytes_fp32'])}: {result['compression_ratio']:.1f}x less "
@@ -173,13 +199,13 @@ def finish(args: argparse.Namespace, result: dict[str, Any], history: list[dict[
         from horovod_aq.tools import plots
     except ImportError:
         return
-    files = [plots.plot_curves({f"{args.compression} {args.bits}-bit": history},
+    files = [plots.plot_curves({name: history},
                                os.path.join(args.out, "curves.png"),
                                title=f"MNIST subset, {result['ranks']} ranks")]
     if compression.quantizes and gradient is not None:
         files.append(plots.plot_levels(
             compression.table.levels, os.path.join(args.out, "levels.png"), gradient=gradient,
             bucket_size=compression.bucket_size,
-            title=f"{args.compression} {compression.bits}-bit levels (table v"
-                  f"{compression.table.version}) over the normalized gradient"))
+            title=f"{name} levels (table v{compression.table.version}) over the normalized "
+                  "gradient"))
     print("wrote " + ", ".join(files + [os.path.join(args.out, "metrics.json")]))

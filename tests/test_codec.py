@@ -440,7 +440,7 @@ def test_truncated_and_oversized_payloads(payload_and_table):
 def test_wrong_magic_version_and_reserved_fields(payload_and_table):
     payload, table = payload_and_table
     for offset, value, match in [(0, ord("X"), "magic"), (2, 3, "format version 3"),
-                                 (3, 9, "bits 9"), (4, 7, "norm code 7"), (5, 4, "reserved"),
+                                 (3, 9, "bits 9"), (4, 7, "norm code 7"), (5, 8, "reserved"),
                                  (5, 3, "reserved"), (30, 1, "reserved")]:
         bad = payload.copy()
         bad[offset] = value

@@ -108,3 +108,39 @@ def test_unbiased_on_average(n, bits, bucket_size, magnitude, family, seed):
     sigma = np.sqrt(np.maximum(var, 0) / draws)
     tol = 6 * sigma + 1e-6 * np.abs(x) + 1e-37
     assert np.all(np.abs(mean - x) <= tol)
+
+
+@given(gradients(), st.integers(1, 8), st.sampled_from([1, 64, 512, 4096]),
+       st.sampled_from(["l2", "linf"]), st.sampled_from(sorted(TABLES)), st.integers(0, 2**31),
+       st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_entropy_coded_wire_is_the_fixed_wire_in_fewer_bytes(data, bits, bucket_size, norm,
+                                                            family, seed, spot):
+    """docs/format.md §12: the entropy-coded payload (oracle and fused kernel, the same bytes)
+    decodes to the fixed-width payload's values, is never larger, and any corruption of one of
+    its bytes is refused with PayloadError or decodes to finite values (never another error)."""
+    from horovod_aq.codec import fused_entropy
+
+    x, _ = data
+    table = _table(family, bits)
+    assume(np.all(np.isfinite(codec.bucket_norms(x, bucket_size, norm))))
+    key = codec.StreamKey(seed=seed)
+    fixed = codec.encode(x, table, bucket_size=bucket_size, norm=norm, key=key)
+    coded = codec.encode_entropy(x, table, bucket_size=bucket_size, norm=norm, key=key)
+    np.testing.assert_array_equal(
+        fused_entropy.encode_entropy(x, table, bucket_size=bucket_size, norm=norm, key=key),
+        coded)
+    assert coded.size <= fixed.size == codec.payload_size(x.size, table.bits, bucket_size)
+    want = codec.decode(fixed, table).view(np.uint32)
+    np.testing.assert_array_equal(codec.decode(coded, table).view(np.uint32), want)
+    np.testing.assert_array_equal(fused_entropy.decode(coded, table).view(np.uint32), want)
+    bad = coded.copy()
+    at = 32 + spot % max(1, coded.size - 32)
+    if at < bad.size:
+        bad[at] ^= np.uint8(1 + spot % 255)
+    for decode in (codec.decode, fused_entropy.decode):
+        try:
+            y = decode(bad, table)
+        except codec.PayloadError:
+            continue
+        assert np.all(np.isfinite(y))

@@ -219,17 +219,22 @@ def test_adaptive_step_bookkeeping():
     assert versions == [1, 1, 2, 2] and comp.step == 4
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("method", ["alq", "alqn", "alqg", "amq", "amqn"])
-def test_adaptive_default_norm_is_linf(method):
-    # docs/quantizers.md §5.6: adaptive tables scale buckets by ‖v‖∞ unless norm= says otherwise;
-    # the starting table is the fit to the L∞ Gaussian prior
-    from horovod_aq.compressors.adaptive import prior_levels
+def test_adaptive_default_norm_and_bucket(method, bits):
+    # docs/quantizers.md §5.6, §5.7: adaptive tables scale buckets of 256 by ‖v‖∞ at every width
+    # (AMQ-N: L2 from 3 bits) unless norm= says otherwise; the starting table is the fit to the
+    # Gaussian prior of that norm
+    from horovod_aq.compressors.adaptive import DEFAULT_BUCKET_SIZE, prior_levels
 
-    comp = horovod_aq.from_name(method, bits=2)
-    assert comp.norm == "linf" and comp.config()["norm"] == "linf"
+    comp = horovod_aq.from_name(method, bits=bits)
+    norm = "l2" if method == "amqn" and bits >= 3 else "linf"
+    assert comp.norm == norm and comp.config()["norm"] == norm
+    assert comp.bucket_size == DEFAULT_BUCKET_SIZE == 256
     np.testing.assert_array_equal(comp.table.levels,
-                                  prior_levels(type(comp).fitter, 2, comp.bucket_size, "linf"))
-    assert horovod_aq.from_name(method, bits=2, norm="l2").norm == "l2"
+                                  prior_levels(type(comp).fitter, bits, 256, norm))
+    other = {"l2": "linf", "linf": "l2"}[norm]
+    assert horovod_aq.from_name(method, bits=bits, norm=other).norm == other
     assert horovod_aq.DQSGD(levels=method).norm == "linf"     # one norm for every width
 
 

@@ -379,7 +379,7 @@ CORRUPTIONS = [
     ("crc-field-flip", "data", lambda p, s: _flip(s, 29, 0), "checksum mismatch"),
     ("checksum-flag-without-crc", "data", lambda p, s: _with(p, 5, 2), "checksum mismatch"),
     ("flags-3", "header", lambda p, s: _with(p, 5, 3), "reserved fields set"),
-    ("flags-4", "header", lambda p, s: _with(p, 5, 4), "reserved fields set"),
+    ("flags-8", "header", lambda p, s: _with(p, 5, 8), "reserved fields set"),
     ("reserved-without-flag", "header", lambda p, s: _with(p, 30, 1), "reserved fields set"),
     ("checksummed-marker", "header", lambda p, s: _with(codec.nonfinite_payload(
         100, PARITY_TABLE, 16, "l2", 7), 5, 3), "reserved fields set"),
@@ -521,3 +521,23 @@ def test_every_encoder_writes_the_same_checksum(n, bucket):
     for name, encode in parity_encoders().items():
         assert np.array_equal(encode(x, PARITY_TABLE, bucket, key, True), want), name
         assert np.array_equal(encode(x, PARITY_TABLE, bucket, key, False), plain), name
+
+
+def test_every_decoder_reads_or_refuses_an_entropy_coded_payload():
+    """docs/format.md §12: the numpy and fused decoders read an entropy-coded payload (the
+    fixed wire's values); every other decoder reads it too or refuses it with PayloadError
+    (a graph with its own assertion). tests/test_codec_entropy.py holds the corruptions."""
+    x = np.random.default_rng(4).standard_normal(3000).astype(np.float32)
+    key = StreamKey(seed=9)
+    coded = codec.encode_entropy(x, PARITY_TABLE, bucket_size=16, key=key)
+    fixed = codec.encode(x, PARITY_TABLE, bucket_size=16, key=key)
+    assert coded[5] & codec.FLAG_ENTROPY and coded.size < fixed.size
+    want = codec.decode(fixed, PARITY_TABLE).view(np.uint32)
+    for decoder, (decode, _, graph) in parity_decoders().items():
+        got = _raised(lambda: decode(coded, PARITY_TABLE))
+        if got is None:
+            assert np.array_equal(decode(coded, PARITY_TABLE).view(np.uint32), want), decoder
+        else:
+            assert decoder not in ("numpy", "fused"), (decoder, got)
+            assert graph or (isinstance(got, PayloadError)
+                             and "entropy-coded body" in str(got)), (decoder, got)

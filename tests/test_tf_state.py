@@ -57,8 +57,11 @@ def test_stock_fp16_casts_and_guards_the_fp16_range():
     wire, ctx = horovod_aq.FP16().compress(x)
     assert wire.dtype == tf.float16 and ctx == tf.float32
     comp = horovod_aq.QSGD(bits=4, bucket_size=BUCKET)
+    # The wire carries c·q with c = 2^-ceil(log2 sqrt B) = 1/8 (horovod_aq.stock.wire_scale), so a
+    # constant bucket of 1e5 travels as 12,500 and fits; 1e6 travels as 125,000 and must not.
+    comp.compress(tf.constant(np.full(BUCKET, 1e5, np.float32)))
     with pytest.raises(tf.errors.InvalidArgumentError, match="fp16 range"):
-        comp.compress(tf.constant(np.full(BUCKET, 1e5, np.float32)))
+        comp.compress(tf.constant(np.full(BUCKET, 1e6, np.float32)))
 
 
 def test_recorded_statistics_match_the_codec():

@@ -135,3 +135,88 @@ def test_good_edge_values_are_accepted():
     payload = codec.encode(np.float32([0.5, -1.0]), comp.table, bucket_size=comp.bucket_size,
                            key=StreamKey(seed=comp.seed))
     assert codec.decode(payload, comp.table).shape == (2,)
+
+
+def test_from_name_refuses_what_is_not_a_name():
+    with pytest.raises(TypeError) as info:
+        horovod_aq.from_name(None, bits=3)
+    assert "from_name needs a compression name (a string), got None (NoneType)" in str(
+        info.value) and "'alq'" in str(info.value)
+    assert isinstance(info.value, ValueError)   # SettingTypeError, like every other setting
+    with pytest.raises(ValueError, match="unknown compression 'alq3'; choose from"):
+        horovod_aq.from_name("alq3")
+    assert horovod_aq.from_name("ALQ", bits=2).bits == 2
+
+
+def _trained_alq() -> horovod_aq.ALQ:
+    """An ALQ compressor past its first refit (table v1, step 3)."""
+    from horovod_aq.refit import LocalComm
+
+    comp = horovod_aq.ALQ(bits=3, bucket_size=64, schedule="0,0")
+    comp.record_gradient(np.random.default_rng(0).standard_t(3, 4096))
+    for _ in range(3):
+        comp.end_step(LocalComm())
+    assert (comp.table.version, comp.step) == (1, 3)
+    return comp
+
+
+def _damaged(key: str, value) -> dict:
+    state = horovod_aq.ALQ(bits=3, bucket_size=64, schedule="0,0").state_dict()
+    state["step"] = 7
+    state["table"] = {"levels": np.linspace(-1, 1, 8).tolist(), "version": 4}
+    if value is KeyError:
+        del state[key]
+    else:
+        state[key] = value
+    return state
+
+
+#: (state, exception, message fragment): every one leaves the compressor as it was
+BAD_STATES = [
+    (None, TypeError, "load_state_dict expects the dict that state_dict() returned (of a "
+                      "compressor built with the same settings), got NoneType"),
+    ([("step", 1)], TypeError, "got list"),
+    ({}, ValueError, "this one has no 'config' or 'step' (its keys: [])"),
+    (_damaged("config", KeyError), ValueError, "this one has no 'config' (its keys: "),
+    (_damaged("step", KeyError), ValueError, "this one has no 'step'"),
+    (_damaged("config", "alq"), TypeError, "its 'config' is a str, not a dict"),
+    (_damaged("step", -3), ValueError, "its step must be >= 0 (an integer), got -3"),
+    (_damaged("step", 2.5), TypeError, "its step must be >= 0 (an integer), got 2.5 (float)"),
+    (_damaged("table", {"levels": [0.0, 1.0], "version": 2}), ValueError,
+     "its 'table' is not a level table with a version (ValueError: a level table must start at "
+     "-1"),
+    (_damaged("table", {"levels": [-1.0, 1.0], "version": -1}), ValueError,
+     "its 'table' is not a level table with a version (ValueError: version must be >= 0"),
+    (_damaged("table", {"levels": [-1.0, 1.0]}), ValueError, "(KeyError: 'version')"),
+    (_damaged("table", {"levels": [-1.0, 1.0], "version": 2}), ValueError,
+     "its table has 2 levels, this compressor's has 8"),
+    (_damaged("framework", 5), TypeError, "its 'framework' is a int, not a dict"),
+    (horovod_aq.ALQ(bits=2, bucket_size=64, schedule="0,0", norm="l2", name="x").state_dict(),
+     ValueError, "state_dict was saved by a compressor with other settings (saved, current): "
+                 "{'bits': (2, 3), 'name': ('x', 'alq3b64')}; build the compressor with the "
+                 "saved settings"),
+]
+
+
+@pytest.mark.parametrize("state, kind, fragment", BAD_STATES,
+                         ids=[f"{i}-{c[2][-30:]}" for i, c in enumerate(BAD_STATES)])
+def test_load_state_dict_refuses_a_bad_state_and_changes_nothing(state, kind, fragment):
+    comp = _trained_alq()
+    before = comp.state_dict()
+    with pytest.raises(kind) as info:
+        comp.load_state_dict(state)
+    assert fragment in str(info.value), str(info.value)
+    after = comp.state_dict()
+    assert after["step"] == before["step"] == 3
+    assert after["table"] == before["table"]
+
+
+def test_load_state_dict_installs_a_good_state():
+    comp = _trained_alq()
+    fresh = horovod_aq.ALQ(bits=3, bucket_size=64, schedule="0,0")
+    fresh.load_state_dict(comp.state_dict())
+    assert fresh.step == 3 and fresh.table.same_as(comp.table)
+    state = comp.state_dict()
+    state["step"] = np.int64(0)        # numpy integers (e.g. from an .npz) are integers
+    fresh.load_state_dict(state)
+    assert fresh.step == 0 and type(fresh.step) is int

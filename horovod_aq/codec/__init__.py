@@ -21,10 +21,17 @@ This package imports numpy only, never torch or tensorflow.
 from __future__ import annotations
 
 from horovod_aq.codec.bits import pack_bits, unpack_bits
+from horovod_aq.codec.entropy import encode_entropy
+from horovod_aq.codec.entropy_format import (
+    empirical_entropy,
+    entropy_payload_size,
+    payload_length,
+)
 from horovod_aq.codec.format import (
     CHECKSUM_OFFSET,
     CODES_PER_GROUP,
     FLAG_CHECKSUM,
+    FLAG_ENTROPY,
     FLAG_NONFINITE,
     FLAGS_OFFSET,
     FLOAT32_TINY,
@@ -85,12 +92,14 @@ from horovod_aq.codec.reference import (
     quantize,
     quantize_codes,
     rounding_variance,
+    variable_rows,
 )
 from horovod_aq.codec.stream import StreamKey, philox4x32, seed_for_rank, stream_uniforms
 from horovod_aq.levels.stats import bucket_moments
 
 __all__ = [
-    "CHECKSUM_OFFSET", "CODES_PER_GROUP", "FLAGS_OFFSET", "FLAG_CHECKSUM", "FLAG_NONFINITE",
+    "CHECKSUM_OFFSET", "CODES_PER_GROUP", "FLAGS_OFFSET", "FLAG_CHECKSUM", "FLAG_ENTROPY",
+    "FLAG_NONFINITE",
     "FLOAT32_TINY", "FORMAT_VERSION", "HEADER_FIELDS", "HEADER_FORMAT", "HEADER_SIZE", "Header",
     "MAGIC", "MARKER_INDEX_OFFSET", "MAX_BUCKET_SIZE", "MAX_NUMEL", "NORM_BYTES", "NORM_CODES",
     "NORM_NAMES", "NonFiniteGradientError", "PayloadError", "StreamKey", "TABLE_ID_SLICE",
@@ -98,9 +107,12 @@ __all__ = [
     "bucket_norms", "check_bits", "check_bool", "check_bucket_size",
     "check_checksum", "check_checksums", "check_data", "check_finite", "check_header", "check_int",
     "check_norm", "check_norms", "check_payload_norms", "check_rows", "check_size", "decode",
-    "decode_average", "draw_uniforms", "encode", "float32_levels", "make_header",
+    "decode_average", "draw_uniforms", "empirical_entropy", "encode", "encode_entropy",
+    "entropy_payload_size", "float32_levels", "make_header",
     "non_finite_message", "nonfinite_payload", "nonfinite_rows", "norm_overflow_message",
     "num_buckets", "pack_bits", "packed_size", "pairwise_sum_rows", "parse_header", "parse_rows",
-    "payload_checksum", "payload_size", "philox4x32", "quantize", "quantize_codes",
+    "payload_checksum", "payload_length", "payload_size", "philox4x32", "quantize",
+    "quantize_codes",
     "rounding_variance", "seal_checksum", "seed_for_rank", "stream_uniforms", "unpack_bits",
+    "variable_rows",
 ]

@@ -81,8 +81,9 @@ import numpy as np
 from horovod_aq.levels.table import MAX_BITS, LevelTable
 
 __all__ = [
-    "CHECKSUM_OFFSET", "CODES_PER_GROUP", "FLAGS_OFFSET", "FLAG_CHECKSUM", "FLAG_NONFINITE",
-    "FLOAT32_TINY", "FORMAT_VERSION", "HEADER_FIELDS", "HEADER_FORMAT", "HEADER_SIZE", "Header",
+    "CHECKSUM_OFFSET", "CODES_PER_GROUP", "FLAGS_OFFSET", "FLAG_CHECKSUM", "FLAG_ENTROPY",
+    "FLAG_NONFINITE", "FLOAT32_TINY", "FORMAT_VERSION", "HEADER_FIELDS", "HEADER_FORMAT",
+    "HEADER_SIZE", "Header",
     "MAGIC", "MARKER_INDEX_OFFSET", "MAX_BUCKET_SIZE", "MAX_NUMEL", "NORM_BYTES", "NORM_CODES",
     "NORM_NAMES", "NonFiniteGradientError", "PayloadError", "TABLE_ID_SLICE", "as_bytes",
     "as_table", "bad_code_message", "bad_norm_message", "check_bits", "check_bool",
@@ -102,8 +103,11 @@ FLAG_NONFINITE = 1
 #: Header flag: the last header field holds the CRC-32 of the rest of the payload
 #: (``payload_checksum``); every decoder verifies it. A marker never carries it.
 FLAG_CHECKSUM = 2
+#: Header flag: the codes section is replaced by an entropy-coded body (docs/format.md §12,
+#: ``horovod_aq.codec.entropy_format``); may be combined with ``FLAG_CHECKSUM``.
+FLAG_ENTROPY = 4
 #: The flags values a decoder of this build reads.
-KNOWN_FLAGS = (0, FLAG_NONFINITE, FLAG_CHECKSUM)
+KNOWN_FLAGS = (0, FLAG_NONFINITE, FLAG_CHECKSUM, FLAG_ENTROPY, FLAG_ENTROPY | FLAG_CHECKSUM)
 HEADER_FORMAT = "<2sBBBBHIIIQI"  # magic, version, bits, norm, flags, N, tver, thash, B, n, reserved
 HEADER_SIZE = struct.calcsize(HEADER_FORMAT)
 #: Every header field: its name (as error messages spell it) → its bytes, in header order.
@@ -306,6 +310,12 @@ class Header:
         return bool(self.flags & FLAG_CHECKSUM)
 
     @property
+    def entropy(self) -> bool:
+        """Whether the codes are entropy-coded (``FLAG_ENTROPY``, docs/format.md §12): the
+        payload's size is then in its coder header, not a function of (n, b, B)."""
+        return bool(self.flags & FLAG_ENTROPY)
+
+    @property
     def num_buckets(self) -> int:
         return num_buckets(self.numel, self.bucket_size)
 
@@ -402,7 +412,8 @@ def parse_header(buf: Any) -> Header:
     if norm not in NORM_NAMES:
         raise PayloadError(f"payload header has unknown norm code {norm}; "
                            f"known: {dict(NORM_NAMES)}")
-    if flags not in KNOWN_FLAGS or (reserved != 0 and flags == 0):
+    if flags not in KNOWN_FLAGS or (reserved != 0
+                                    and not flags & (FLAG_NONFINITE | FLAG_CHECKSUM)):
         raise PayloadError(
             f"payload header has reserved fields set (flags {flags}, reserved {reserved}); it was "
             "written by a newer format revision"
@@ -413,7 +424,7 @@ def parse_header(buf: Any) -> Header:
         raise PayloadError(f"payload header has {nlev} levels, impossible with {bits} bits")
     return Header(version, bits, NORM_NAMES[norm], flags, nlev, tver, thash, bsize, numel,
                   reserved if flags == FLAG_NONFINITE else None,
-                  reserved if flags == FLAG_CHECKSUM else None)
+                  reserved if flags & FLAG_CHECKSUM else None)
 
 
 def check_header(
@@ -462,7 +473,14 @@ def check_header(
 
 
 def check_size(header: Header, actual: int, what: str = "payload") -> None:
-    """``PayloadError`` unless ``actual`` is exactly the size the header requires."""
+    """``PayloadError`` unless ``actual`` is exactly the size the header requires. A payload
+    with an entropy-coded body (``FLAG_ENTROPY``) is refused here: its size is in its coder
+    header, and only the decoders of ``codec.entropy`` read it (docs/format.md §12)."""
+    if header.entropy:
+        raise PayloadError(
+            f"{what} has an entropy-coded body (flags {header.flags}), which this decoder does "
+            "not read: decode it with horovod_aq.codec.decode or horovod_aq.codec.fused.decode "
+            "(a list of payloads for decode_average)")
     expected = header.payload_size
     if actual != expected:
         kind = "truncated" if actual < expected else "too long"
@@ -488,10 +506,10 @@ def seal_checksum(buf: np.ndarray) -> np.ndarray:
     if buf.dtype != np.uint8 or buf.ndim != 1 or buf.size < HEADER_SIZE:
         raise PayloadError(f"seal_checksum needs a 1-D uint8 payload, got dtype {buf.dtype} and "
                            f"shape {buf.shape}")
-    if buf[FLAGS_OFFSET] not in (0, FLAG_CHECKSUM):
+    if buf[FLAGS_OFFSET] & FLAG_NONFINITE or buf[FLAGS_OFFSET] not in KNOWN_FLAGS:
         raise PayloadError(f"cannot checksum a payload with flags {int(buf[FLAGS_OFFSET])} (a "
                            "non-finite marker carries no data)")
-    buf[FLAGS_OFFSET] = FLAG_CHECKSUM
+    buf[FLAGS_OFFSET] |= FLAG_CHECKSUM
     buf[CHECKSUM_OFFSET:HEADER_SIZE] = np.frombuffer(
         struct.pack("<I", payload_checksum(buf)), np.uint8)
     return buf

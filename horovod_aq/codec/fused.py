@@ -256,6 +256,10 @@ def decode(
     data = as_bytes(payload)
     header = parse_header(data)
     check_header(header, table, numel=numel, bucket_size=bucket_size, norm=norm)
+    if header.entropy:  # docs/format.md §12
+        from horovod_aq.codec import fused_entropy
+
+        return fused_entropy.decode(data, table, dtype=dtype)
     check_size(header, data.size)
     check_checksum(data, header)
     result = _decode_rows(data.reshape(1, -1), header, table, False, out, dtype)
@@ -280,6 +284,11 @@ def decode_average(
     Headers are checked with ``codec.check_rows`` (errors name the rank). ``out``: float32 (n,).
     """
     table = as_table(table)
+    if reference.variable_rows(rows):  # entropy-coded or different lengths: docs/format.md §12
+        from horovod_aq.codec import fused_entropy
+
+        return fused_entropy.decode_average(rows, table, dtype=dtype, numel=numel,
+                                            bucket_size=bucket_size, norm=norm, out=out)
     if isinstance(rows, (list, tuple)):
         rows = np.stack([as_bytes(p) for p in rows]) if rows else np.zeros((0, 0))
     rows = np.asarray(rows)

@@ -295,8 +295,11 @@ def _pack(cbuf, ngroups, codes, bits):
             codes[g * bits + b] = np.uint8((w >> np.uint64(8 * b)) & _BYTE)
 
 
-def _make_encoder(bits: int):
+def _make_encoder(bits: int, pack: int = 0):
+    """The encoder of b-bit codes; ``pack`` = 8 writes one code per byte instead of packing
+    them (the codes of the entropy-coded body, ``horovod_aq.codec.fused_entropy``)."""
     linear = bits <= _LINEAR_MAX_BITS
+    pack = pack or bits
 
     @njit(**_JIT)
     def kernel(x, xbits, bucket_size, linf, interior, levels, cells, k0, k1, c1, c2, c3, norms,
@@ -362,8 +365,8 @@ def _make_encoder(bits: int):
                           rbuf, flags, bits, linear)
                 pend += cnt
                 ng = pend >> 3
-                _pack(cbuf, ng, codes[out_byte:], bits)
-                out_byte += ng * bits
+                _pack(cbuf, ng, codes[out_byte:], pack)
+                out_byte += ng * pack
                 for q in range(pend - 8 * ng):
                     cbuf[q] = cbuf[8 * ng + q]
                 pend -= 8 * ng
@@ -371,7 +374,7 @@ def _make_encoder(bits: int):
         if pend:  # the last, partial group: only ⌈pend·b/8⌉ bytes remain in the stream
             w = _U0
             for q in range(pend):
-                w |= np.uint64(cbuf[q]) << np.uint64(q * bits)
+                w |= np.uint64(cbuf[q]) << np.uint64(q * pack)
             for b in range(codes.size - out_byte):
                 codes[out_byte + b] = np.uint8((w >> np.uint64(8 * b)) & _BYTE)
         return -1
@@ -499,4 +502,5 @@ def _specialized(factory):
 
 
 _encoder = _specialized(_make_encoder)
+_code_encoder = _specialized(lambda bits: _make_encoder(bits, 8))
 _decoder = _specialized(_make_decoder)

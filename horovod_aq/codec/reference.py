@@ -60,6 +60,8 @@ import numpy as np
 
 from horovod_aq.codec.bits import pack_bits, unpack_bits
 from horovod_aq.codec.format import (
+    FLAG_ENTROPY,
+    FLAGS_OFFSET,
     HEADER_SIZE,
     Header,
     NonFiniteGradientError,
@@ -93,6 +95,7 @@ __all__ = [
     "parse_rows",
     "decode_average",
     "draw_uniforms",
+    "variable_rows",
     "encode",
     "pairwise_sum_rows",
     "quantize",
@@ -376,6 +379,10 @@ def decode(
     data = as_bytes(payload)
     header = parse_header(data)
     check_header(header, table, numel=numel, bucket_size=bucket_size, norm=norm)
+    if header.entropy:  # docs/format.md §12
+        from horovod_aq.codec.entropy import read_payload
+
+        return read_payload(data, header, table).astype(dtype, copy=False)
     check_size(header, data.size)
     check_checksum(data, header)
     return _read_payload(data, header, table).astype(dtype, copy=False)
@@ -412,6 +419,18 @@ def check_rows(
     return first
 
 
+def variable_rows(payloads: Any) -> bool:
+    """Whether gathered payloads need the row-by-row decoder of variable-length payloads: a
+    list of rows of different lengths, or rows with an entropy-coded body (``FLAG_ENTROPY``)."""
+    if isinstance(payloads, (list, tuple)):
+        rows = [as_bytes(p) for p in payloads]
+        return bool(rows) and (len({r.size for r in rows}) > 1 or any(
+            r.size > FLAGS_OFFSET and r[FLAGS_OFFSET] & FLAG_ENTROPY for r in rows))
+    rows = np.asarray(payloads)
+    return (rows.ndim == 2 and rows.dtype == np.uint8 and rows.shape[1] > FLAGS_OFFSET
+            and bool(np.any(rows[:, FLAGS_OFFSET] & FLAG_ENTROPY)))
+
+
 def decode_average(
     payloads: Any,
     levels: LevelTable | Any,
@@ -430,6 +449,11 @@ def decode_average(
     (``check_data``); every error names the rank ("rank r: …", attribute ``rank``).
     """
     table = as_table(levels)
+    if variable_rows(payloads):  # entropy-coded or different lengths: docs/format.md §12
+        from horovod_aq.codec.entropy import decode_rows_average
+
+        return decode_rows_average(payloads, table, dtype=dtype, numel=numel,
+                                   bucket_size=bucket_size, norm=norm)
     if isinstance(payloads, (list, tuple)):
         payloads = np.stack([as_bytes(p) for p in payloads]) if payloads else np.zeros((0, 0))
     rows = np.asarray(payloads)

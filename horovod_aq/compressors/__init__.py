@@ -8,12 +8,14 @@ QSGDInf             uniform U-ref                   L∞      512         no
 NUQSGD              exponential, p = 1/2            L2      512         no
 TernGrad            {−1, 0, 1}                      L∞      512         no
 NaturalDithering    {0, ±2^(1−s), …, ±1}            L2/L∞   512         no
-ALQ / ALQN / ALQG   fitted (coordinate descent /    L2      1024        yes
+ALQ / ALQN / ALQG   fitted (coordinate descent /    L∞      256         yes
                     single normal / gradient)
-AMQ / AMQN          exponential with fitted p       L2      1024        yes
+AMQ / AMQN          exponential with fitted p       L∞ (*)  256         yes
 DQSGD               any of the above, per-step      —       —           as its family
                     bit width
 ==================  ==============================  ======  ==========  =========
+
+(*) AMQN: L2 from 3 bits. Adaptive defaults: docs/quantizers.md §5.6 (norm), §5.7 (bucket).
 
 ``base`` holds the :class:`Compressor` protocol every integration uses, ``fixed`` and
 ``adaptive`` the level families (docs/quantizers.md §2, §7, §8), ``dqsgd`` the dynamic width
@@ -34,6 +36,7 @@ from horovod_aq.compressors.adaptive import (
     _Adaptive,
     prior_levels,
 )
+from horovod_aq.compressors.arguments import SettingTypeError
 from horovod_aq.compressors.base import (
     DEFAULT_TOP_K,
     DEFAULT_WEIGHTING,
@@ -65,6 +68,9 @@ _FIXED_WIDTH = (NoCompression, FP16, TernGrad)
 
 def from_name(method: str, **kwargs: Any) -> Compressor:
     """Build a compressor from its name ("alq", "qsgd", …), passing only the arguments it takes."""
+    if not isinstance(method, str):
+        raise SettingTypeError(f"from_name needs a compression name (a string), got {method!r} "
+                               f"({type(method).__name__}); choose from {sorted(METHODS)}")
     try:
         cls = METHODS[method.lower()]
     except KeyError:

@@ -4,13 +4,21 @@ ALQ, ALQ-N, ALQ-G, AMQ and AMQ-N ("Adaptive Gradient Quantization for Data-Paral
 arXiv 2010.12460): each class names its fitter (docs/quantizers.md §7 and §8) and the distribution
 model it fits to (§5); the refit protocol itself is the base class's (docs/protocol.md §2).
 
-At 1 and 2 bits buckets are normalized by ‖v‖∞ by default (docs/quantizers.md §5.6), not by the
-paper's ‖v‖₂: with L2 scaling the levels ±1 are almost never used (|r| ≤ ‖v‖∞/‖v‖₂ ≪ 1), which
-leaves a 2-bit table two usable levels. The statistics stay the L2 ones every integration records;
-the fit turns them into the law of v/‖v‖∞ (``levels.variance.linf_law``). From 3 bits on the
-default is the paper's ‖v‖₂ (its tables have enough levels; the L∞ law is an approximation, and
-the demo's CNN trained to 91.3 % with L∞ against 95.9 % with L2 at 3 bits). ``norm=`` chooses
-either at any width.
+Defaults (docs/quantizers.md §5.6, §5.7), each with its measured before/after there:
+
+* **Buckets are normalized by ‖v‖∞ at every width**, not by the paper's ‖v‖₂. With L2 scaling the
+  levels ±1 are almost never used (|r| ≤ ‖v‖∞/‖v‖₂ ≪ 1), so the largest coordinates of a bucket
+  are rounded across the widest interval [ℓ_{N−2}, 1] with noise of their own size: on the demo's
+  CNN (examples/pytorch_mnist.py) ALQ 3-bit with L2 buckets trained 2.0 pt below fp32, and its
+  noise cost as much as Gaussian noise of the same per-coordinate variance, against nothing for
+  the same amount spread evenly. The statistics stay the L2 ones every integration records; the
+  fit turns them into the law of v/‖v‖∞ (``levels.variance.linf_law``). AMQ-N keeps L2 from 3
+  bits (:attr:`AdaptiveCompressor.l2_from_bits`): its single pooled normal has no tails to rescale.
+* **256 coordinates per bucket** (:data:`DEFAULT_BUCKET_SIZE`), not the paper's 8192: with L∞
+  scaling the variance falls with the bucket's length faster than the norms' 32/B bits per
+  coordinate grow down to about 256 (the distortion-rate slope of §5.7).
+
+``norm=`` and ``bucket_size=`` choose either at any width.
 """
 
 from __future__ import annotations
@@ -27,9 +35,8 @@ from horovod_aq.levels.model import Distribution
 from horovod_aq.levels.stats import BucketStats
 from horovod_aq.levels.variance import gaussian_prior, linf_law
 
-#: Adaptive compressors scale buckets by ‖v‖∞ up to this many bits when ``norm=`` is not given,
-#: and by ‖v‖₂ above it (quantizers.md §5.6).
-LINF_DEFAULT_MAX_BITS = 2
+#: The adaptive compressors' default bucket size (docs/quantizers.md §5.7).
+DEFAULT_BUCKET_SIZE = 256
 
 
 @functools.lru_cache(maxsize=64)
@@ -46,12 +53,12 @@ def prior_levels(fitter: Callable[..., np.ndarray], bits: int, bucket_size: int,
 class AdaptiveCompressor(Compressor):
     """Adaptive tables: start from the fit to a Gaussian prior, refit on schedule.
 
-    ``norm`` (default ``"linf"`` up to :data:`LINF_DEFAULT_MAX_BITS` bits, else ``"l2"``;
-    docs/quantizers.md §5.6): the bucket scale. The fits always start
-    from the L2 statistics of §5.1–§5.5; with L∞ the law is rescaled by ``linf_law`` first.
-    Measured on the CNN gradients of benchmarks/variance.py, L∞ lowers the variance of every
-    histogram-model fit at 2, 3 and 4 bits by 1.7–4.9× (B = 1024: ALQ 4.71 → 1.19 at 2 bits, where
-    TernGrad has 2.23; 0.340 → 0.155 at 3 bits).
+    ``norm`` (default ``"linf"``, ``"l2"`` from :attr:`l2_from_bits` bits where a class sets it;
+    docs/quantizers.md §5.6): the bucket scale. The fits always start from the L2 statistics of
+    §5.1–§5.5; with L∞ the law is rescaled by ``linf_law`` first. Measured on the CNN gradients
+    of benchmarks/variance.py, L∞ lowers the variance of every histogram-model fit at 2, 3 and 4
+    bits by 1.7–4.9× (B = 1024: ALQ 4.71 → 1.19 at 2 bits, where TernGrad has 2.23; 0.340 → 0.155
+    at 3 bits).
 
     ``model`` is the distribution F the levels are fitted to (docs/quantizers.md §5):
 
@@ -66,20 +73,20 @@ class AdaptiveCompressor(Compressor):
     """
 
     adaptive = True
-    #: 1024, not the paper's 8192: on small or sparse models the larger bucket costs a lot of
-    #: variance (MNIST CNN, 3 bits: test accuracy 95.9% at 1024 vs 93.1% at 8192, fp32 96.2%)
-    #: and the norms cost only 32/1024 = 0.03 bits per coordinate. Pass bucket_size=8192 to
-    #: reproduce the paper's setting.
-    default_bucket_size = 1024
+    #: :data:`DEFAULT_BUCKET_SIZE`; pass bucket_size=8192 to reproduce the paper's setting.
+    default_bucket_size = DEFAULT_BUCKET_SIZE
+    default_norm = "linf"
+    #: The width from which ``norm`` defaults to L2 (None: L∞ at every width).
+    l2_from_bits: ClassVar[int | None] = None
     MODELS: ClassVar[tuple[str, ...]] = ("histogram", "mixture")
     #: fitter(distribution, bits) -> levels: the method's solver.
     fitter: ClassVar[Callable[..., np.ndarray]]
 
     def __init__(self, bits: int = 3, *, model: str = "histogram",
                  weighting: str = DEFAULT_WEIGHTING, **kwargs: Any) -> None:
-        if kwargs.get("norm") is None and isinstance(bits, (int, np.integer)) \
-                and not isinstance(bits, bool):
-            kwargs["norm"] = "linf" if bits <= LINF_DEFAULT_MAX_BITS else "l2"
+        if kwargs.get("norm") is None and self.l2_from_bits is not None \
+                and isinstance(bits, (int, np.integer)) and not isinstance(bits, bool):
+            kwargs["norm"] = "l2" if bits >= self.l2_from_bits else "linf"
         if weighting not in ("squared_norm", "norm"):
             raise ValueError(f"weighting must be 'squared_norm' or 'norm', got {weighting!r}")
         if model not in self.MODELS:
@@ -166,10 +173,12 @@ class AMQ(AdaptiveCompressor):
 
 
 class AMQN(AMQ):
-    """AMQ-N: AMQ on a single pooled truncated normal."""
+    """AMQ-N: AMQ on a single pooled truncated normal; L2 buckets from 3 bits (the pooled
+    normal has no tails for ``linf_law`` to rescale: docs/quantizers.md §5.6)."""
 
     method = "amqn"
     MODELS = ("pooled",)
+    l2_from_bits = 3
 
     def __init__(self, bits: int = 3, **kwargs: Any) -> None:
         kwargs.setdefault("model", "pooled")

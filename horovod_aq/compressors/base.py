@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -443,24 +443,62 @@ class Compressor:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; refuses a state saved with other settings."""
-        theirs = dict(state["config"])
-        mine = self.config()
-        if theirs != mine:
-            diff = {k: (theirs.get(k), mine.get(k)) for k in set(theirs) | set(mine)
-                    if theirs.get(k) != mine.get(k)}
-            raise ValueError(f"state_dict was saved by a compressor with other settings "
-                             f"(saved, current): {diff}")
-        if "table" in state:
-            self.set_table(LevelTable(np.asarray(state["table"]["levels"], dtype=np.float64),
-                                      int(state["table"]["version"])))
-        self.step = int(state["step"])
+        """Restore :meth:`state_dict`. Everything is checked before anything changes: a state
+        that is not a mapping (``TypeError``), lacks ``config`` or ``step``, has a negative or
+        non-integer step, a table the codec refuses, or was saved with other settings
+        (``ValueError``) leaves the compressor as it was."""
+        table, step = self._checked_state(state)
+        if table is not None:
+            self.set_table(table)
+        self.step = step
         self._stats = None
         self._step_open = False
         self._pending_framework = dict(state.get("framework", {}))
         for key, fw_state in self._framework.items():
             if key in self._pending_framework:
                 fw_state.load_state_dict(self._pending_framework.pop(key))
+
+    def _checked_state(self, state: Any) -> tuple[LevelTable | None, int]:
+        """The table (None: the state has none) and step that :meth:`load_state_dict` installs,
+        after every check; raises with what to pass instead."""
+        what = (f"{self.name}.load_state_dict expects the dict that state_dict() returned "
+                "(of a compressor built with the same settings)")
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{what}, got {type(state).__name__}")
+        missing = [key for key in ("config", "step") if key not in state]
+        if missing:
+            raise ValueError(f"{what}; this one has no {' or '.join(map(repr, missing))} "
+                             f"(its keys: {sorted(map(str, state))})")
+        theirs = state["config"]
+        if not isinstance(theirs, Mapping):
+            raise TypeError(f"{what}; its 'config' is a {type(theirs).__name__}, not a dict")
+        theirs, mine = dict(theirs), self.config()
+        if theirs != mine:
+            diff = {k: (theirs.get(k), mine.get(k)) for k in sorted(set(theirs) | set(mine))
+                    if theirs.get(k) != mine.get(k)}
+            raise ValueError(f"state_dict was saved by a compressor with other settings "
+                             f"(saved, current): {diff}; build the compressor with the saved "
+                             "settings")
+        try:
+            step = arguments.step(state["step"])
+        except ValueError as exc:   # SettingTypeError is a ValueError too
+            raise type(exc)(f"{what}; its {exc}") from None
+        if not isinstance(state.get("framework", {}), Mapping):
+            raise TypeError(f"{what}; its 'framework' is a "
+                            f"{type(state['framework']).__name__}, not a dict")
+        table = None
+        if "table" in state:
+            saved = state["table"]
+            try:
+                table = LevelTable(np.asarray(saved["levels"], dtype=np.float64),
+                                   arguments.integer("version", saved["version"], 0))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{what}; its 'table' is not a level table with a version "
+                                 f"({type(exc).__name__}: {exc})") from None
+            if self._table is not None and table.num_levels != self._table.num_levels:
+                raise ValueError(f"{what}; its table has {table.num_levels} levels, this "
+                                 f"compressor's has {self._table.num_levels}")
+        return table, step
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "method")

@@ -5,8 +5,10 @@
 ``compression.compress(grad)`` inside Horovod's cached ``tf.function``, *sum* what it returns
 with an allreduce, then call ``decompress``. Packed codes cannot be summed, so here the compressor
 quantizes the gradient with its level table (unbiased stochastic rounding: the training sees the
-true quantization noise), dequantizes it and ships **fp16** — 2x less traffic than fp32, not
-``bits`` per coordinate (a one-time log line says so; the bit-packed exchange is
+true quantization noise), dequantizes it, scales it by the power of two
+:func:`horovod_aq.stock.wire_scale` (so the fp16 wire has the range of Horovod's own fp16, as on
+the PyTorch stock path) and ships **fp16** — 2x less traffic than fp32, not ``bits`` per
+coordinate (a one-time log line says so; the bit-packed exchange is
 ``horovod_aq.tensorflow.DistributedGradientTape`` / ``horovod_aq.keras.DistributedOptimizer``).
 
 Everything below is graph code, traced once per gradient by Horovod:
@@ -18,8 +20,9 @@ Everything below is graph code, traced once per gradient by Horovod:
 * uniforms come from the state's ``tf.random.Generator`` (this rank's stream);
 * when the compressor is recording, the tensor's bucket statistics are written into a
   :class:`~.state.StatsSlot` for the next ``refit``;
-* range guard: an fp16 *sum* over P ranks must stay finite, so max|q|·P ≤ 65504 is asserted
-  (``tf.errors.InvalidArgumentError`` naming the remedy);
+* range guard: an fp16 *sum* over P ranks must stay finite, so max|c·q|·P ≤ 65504 is asserted
+  for the scaled values c·q (``tf.errors.InvalidArgumentError`` naming the remedy);
+  ``decompress`` divides the average by c in float32 (exact: c is a power of two);
 * non-finite gradients pass through, as with ``hvd.Compression.fp16``: the finite coordinates
   are quantized, NaN/±Inf are sent as they are, so every rank's sum is non-finite in the same
   places. With ``nonfinite="skip"`` that is all: the optimizer's own inf handling decides, alike
@@ -140,13 +143,15 @@ def quantize_dynamic(compressor: Compressor, flat: tf.Tensor, record: tf.Tensor)
 
 
 class _Context:
-    """``compress``'s context for ``decompress``: the gradient's dtype and, with
-    nonfinite="raise", what to say when the sum is not finite."""
+    """``compress``'s context for ``decompress``: the gradient's dtype, the wire scale c
+    (:func:`horovod_aq.stock.wire_scale`) and, with nonfinite="raise", what to say when the sum
+    is not finite."""
 
-    __slots__ = ("dtype", "message")
+    __slots__ = ("dtype", "scale", "message")
 
-    def __init__(self, dtype: tf.DType, message: str | None) -> None:
+    def __init__(self, dtype: tf.DType, scale: float, message: str | None) -> None:
         self.dtype = dtype
+        self.scale = scale
         self.message = message
 
 
@@ -177,12 +182,14 @@ def compress(compressor: Compressor, tensor: Any) -> tuple[Any, Any]:
         flat = tf.cast(tf.reshape(tensor, [-1]), tf.float32)
     finite = tf.math.is_finite(flat)
     clean = tf.where(finite, flat, tf.zeros_like(flat))   # what the quantizer may see
+    scale = stock.wire_scale(compressor)
 
     def quantized() -> tf.Tensor:
         if static:
             q = quantize_local(compressor, clean, record=flat)
         else:
             q = quantize_dynamic(compressor, clean, flat)
+        q = q * scale     # a power of two: exact
         peak = tf.reduce_max(tf.concat([tf.abs(q), tf.zeros([1], q.dtype)], axis=0))
         world = horovod_world("horovod.tensorflow")[1]
         guard = tf.debugging.Assert(
@@ -195,7 +202,8 @@ def compress(compressor: Compressor, tensor: Any) -> tuple[Any, Any]:
     q = tf.where(finite, quantized(), flat)
     message = None if compressor.nonfinite == "skip" else \
         _nonfinite_sum_message(compressor, tensor.shape)
-    return tf.reshape(tf.cast(q, tf.float16), tf.shape(tensor)), _Context(tensor.dtype, message)
+    return (tf.reshape(tf.cast(q, tf.float16), tf.shape(tensor)),
+            _Context(tensor.dtype, scale, message))
 
 
 def decompress(compressor: Compressor, tensor: Any, ctx: Any) -> Any:
@@ -207,4 +215,5 @@ def decompress(compressor: Compressor, tensor: Any, ctx: Any) -> Any:
         check = tf.debugging.Assert(tf.reduce_all(tf.math.is_finite(tensor)), [ctx.message])
         with tf.control_dependencies([check]):
             tensor = tf.identity(tensor)
-    return tf.cast(tensor, ctx.dtype)
+    # undo stock.wire_scale in float32 (exact), then the gradient's dtype
+    return tf.cast(tf.cast(tensor, tf.float32) / ctx.scale, ctx.dtype)

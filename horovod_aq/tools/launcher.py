@@ -1,6 +1,6 @@
 """Run Python functions on N local Horovod ranks and collect every rank's result.
 
-This is the multi-process harness behind the test suite, ``horovod-aq doctor`` and the
+This is the multi-process harness behind the test suite, ``horovod-aq doctor --full`` and the
 benchmarks. It launches ``horovodrun -np N -H localhost:N --gloo|--mpi`` (the real launcher, so
 both controllers are exercised exactly as users run them), runs a *list* of functions in every
 rank in the same order (one launch amortizes the seconds each rank spends importing torch or
@@ -18,6 +18,9 @@ Guarantees:
 Functions are shipped with cloudpickle (by value for test modules), so they may be defined in
 test files. Each function is called with no arguments, or with the keyword arguments given as
 ``(fn, kwargs)`` pairs.
+
+:func:`run_elastic` runs a script under elastic ``horovodrun`` (``--min-np/--max-np``, a host
+discovery script) with the same timeouts and environment.
 """
 
 from __future__ import annotations
@@ -177,14 +180,7 @@ def run_local(
             cmd += ["--gloo-timeout-seconds", str(GLOO_TIMEOUT_S)]
         cmd += list(extra_args)
         cmd += [sys.executable, "-m", "horovod_aq.tools.launcher", job]
-        run_env = dict(os.environ)
-        run_env.update(RANK_ENV)
-        run_env.update(env or {})
-        # The rank processes must import the same horovod_aq as the caller.
-        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        run_env["PYTHONPATH"] = os.pathsep.join(
-            [pkg_root] + [p for p in run_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        )
+        run_env = _rank_env(env)
         log_path = os.path.join(job, "launch.log")
         t0 = time.monotonic()
         with open(log_path, "wb") as log:
@@ -226,6 +222,70 @@ def run_local(
         return LaunchResult(np=np, controller=controller, outcomes=outcomes, log=log_text)
     finally:
         shutil.rmtree(job, ignore_errors=True)
+
+
+@dataclasses.dataclass
+class ElasticRun:
+    """What an elastic launch left: horovodrun's exit code and the whole output."""
+
+    returncode: int
+    log: str
+
+    def tail(self, lines: int = 60) -> str:
+        return "".join(self.log.splitlines(True)[-lines:])
+
+
+def run_elastic(
+    command: Sequence[str],
+    *,
+    discovery_script: str,
+    np: int,
+    min_np: int,
+    max_np: int,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+) -> ElasticRun:
+    """Run ``command`` (an argument list, e.g. ``[sys.executable, "train.py", ...]``) under
+    elastic ``horovodrun`` on this host: Gloo, ``--network-interface lo`` (on one host elastic
+    horovodrun otherwise waits for a second host to agree on an interface), the host list from
+    ``discovery_script``, and :data:`GLOO_TIMEOUT_S` for the rendezvous of a joining worker.
+
+    Returns an :class:`ElasticRun`; raises :class:`LaunchError` with the output's tail if the
+    launch exceeds ``timeout`` seconds (every process is killed first).
+    """
+    cmd = [_horovodrun(), "-np", str(np), "--min-np", str(min_np), "--max-np", str(max_np),
+           "--host-discovery-script", discovery_script, "--network-interface", "lo",
+           "--start-timeout", str(START_TIMEOUT_S), "--gloo-timeout-seconds",
+           str(GLOO_TIMEOUT_S), *command]
+    run_env = _rank_env(env)
+    with tempfile.TemporaryDirectory(prefix="horovod_aq_elastic_") as job:
+        log_path = os.path.join(job, "launch.log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env,
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                kill_tree(proc.pid)
+                proc.wait()
+                raise LaunchError(f"elastic launch ({min_np}..{max_np} ranks) exceeded "
+                                  f"{timeout:.0f}s and was killed; last output:\n"
+                                  f"{_tail(log_path)}") from None
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            return ElasticRun(rc, f.read())
+
+
+def _rank_env(env: dict[str, str] | None) -> dict[str, str]:
+    """This process's environment with :data:`RANK_ENV`, ``env``, and this ``horovod_aq`` first
+    on ``PYTHONPATH`` (the ranks must import the same package as the caller)."""
+    run_env = dict(os.environ)
+    run_env.update(RANK_ENV)
+    run_env.update(env or {})
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run_env["PYTHONPATH"] = os.pathsep.join(
+        [pkg_root] + [p for p in run_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    return run_env
 
 
 def _tail(path: str, lines: int = 60) -> str:

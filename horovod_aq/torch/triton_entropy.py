@@ -1,0 +1,151 @@
+"""Triton kernels of the entropy-coded body: interleaved rANS encode and decode on the GPU.
+
+Byte-identical to the numpy oracle (``horovod_aq.codec.rans``, docs/format.md §12). One
+program codes one block; its K = 32 lanes are the vector (DietGPU's layout: a warp's threads
+are the lanes), and a step's words are placed with a prefix sum over the lanes that emit (or
+read) one: encoding writes them backwards into a per-block scratch row, the host compacts the
+rows (``torch`` masked select) into the payload's WORDS. Decoding gives each lane its word by an
+exclusive prefix sum of the lanes that need one, and flags a block whose stream runs past its
+end, leaves words unread or ends a lane off 2^16; the caller then hands the payload to the
+oracle, which raises its ``PayloadError``.
+
+The model (code table, f, c: 2^(g·b) ≤ 256 entries) is built on the host by
+``horovod_aq.codec.entropy_format`` from the histogram of the codes (``torch.bincount``): one
+host round trip per payload, which a variable-length payload needs anyway to learn its size.
+
+    words, states, counts = encode_symbols(symbols, f, c)      # symbols: uint8 CUDA tensor
+    symbols = decode_symbols(states, counts, words, f, c, nsym)  # None if the stream is bad
+
+Imports only ``horovod_aq.codec``, torch and triton; tested under ``TRITON_INTERPRET=1``
+(``tests/test_triton_entropy.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from horovod_aq.codec.entropy_format import (
+    BLOCK_SYMBOLS,
+    LANES,
+    PRECISION,
+    STATE_LOW,
+    STEPS,
+)
+from horovod_aq.codec.rans import slot_symbols
+
+__all__ = ["decode_symbols", "encode_symbols"]
+
+
+@triton.jit
+def _encode_kernel(sym_ptr, f_ptr, c_ptr, cmpl_ptr, scratch_ptr, states_ptr, counts_ptr, nsym,
+                   LANES_C: tl.constexpr, STEPS_C: tl.constexpr, PREC: tl.constexpr,
+                   LOW: tl.constexpr):
+    b = tl.program_id(0)
+    lanes = tl.arange(0, LANES_C)
+    first = b.to(tl.int64) * (LANES_C * STEPS_C)
+    m = tl.minimum(nsym - first, LANES_C * STEPS_C)
+    steps = (m + LANES_C - 1) // LANES_C
+    x = tl.full((LANES_C,), LOW, tl.int64)
+    emitted = tl.zeros((), tl.int64)
+    top = LANES_C * STEPS_C
+    row = scratch_ptr + b.to(tl.int64) * (top + 1)
+    for j in range(0, steps):
+        t = steps - 1 - j
+        i = t * LANES_C + lanes
+        valid = i < m
+        s = tl.load(sym_ptr + first + i, mask=valid, other=0).to(tl.int32)
+        fs = tl.load(f_ptr + s).to(tl.int64)
+        emit = valid & (x >= (fs << (32 - PREC)))
+        e = emit.to(tl.int64)
+        inclusive = tl.cumsum(e, 0)
+        total = tl.sum(e, 0)
+        pos = top - emitted - (total - inclusive)
+        tl.store(row + pos, (x & 0xFFFF).to(tl.uint16), mask=emit)
+        emitted += total
+        x = tl.where(emit, x >> 16, x)
+        q = x // tl.maximum(fs, 1)
+        coded = x + tl.load(c_ptr + s).to(tl.int64) + q * tl.load(cmpl_ptr + s).to(tl.int64)
+        x = tl.where(valid, coded, x)
+    tl.store(states_ptr + b.to(tl.int64) * LANES_C + lanes, x.to(tl.uint32))
+    tl.store(counts_ptr + b, emitted)
+
+
+@triton.jit
+def _decode_kernel(states_ptr, counts_ptr, starts_ptr, words_ptr, nwords, slots_ptr, f_ptr,
+                   c_ptr, out_ptr, status_ptr, nsym, LANES_C: tl.constexpr,
+                   STEPS_C: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr):
+    b = tl.program_id(0)
+    lanes = tl.arange(0, LANES_C)
+    first = b.to(tl.int64) * (LANES_C * STEPS_C)
+    m = tl.minimum(nsym - first, LANES_C * STEPS_C)
+    steps = (m + LANES_C - 1) // LANES_C
+    x = tl.load(states_ptr + b.to(tl.int64) * LANES_C + lanes).to(tl.int64)
+    ptr = tl.load(starts_ptr + b)
+    end = ptr + tl.load(counts_ptr + b)
+    over = tl.zeros((), tl.int32)
+    for t in range(0, steps):
+        i = t * LANES_C + lanes
+        valid = i < m
+        slot = x & ((1 << PREC) - 1)
+        s = tl.load(slots_ptr + slot).to(tl.int32)
+        decoded = tl.load(f_ptr + s).to(tl.int64) * (x >> PREC) + slot \
+            - tl.load(c_ptr + s).to(tl.int64)
+        x = tl.where(valid, decoded, x)
+        need = valid & (x < LOW)
+        n = need.to(tl.int64)
+        at = ptr + tl.cumsum(n, 0) - n
+        over = over | tl.max((need & (at >= end)).to(tl.int32), 0)
+        w = tl.load(words_ptr + tl.minimum(at, nwords), mask=need, other=0).to(tl.int64)
+        x = tl.where(need, (x << 16) | w, x)
+        ptr += tl.sum(n, 0)
+        tl.store(out_ptr + first + i, s.to(tl.uint8), mask=valid)
+    bad = over | (ptr != end).to(tl.int32) | tl.max((x != LOW).to(tl.int32), 0)
+    tl.store(status_ptr + b, bad)
+
+
+def _tables(f: np.ndarray, c: np.ndarray, device) -> tuple[torch.Tensor, ...]:
+    f = np.asarray(f, np.int64)
+    return (torch.as_tensor(f, device=device), torch.as_tensor(np.asarray(c, np.int64),
+                                                               device=device),
+            torch.as_tensor((1 << PRECISION) - f, device=device))
+
+
+def encode_symbols(symbols: torch.Tensor, f: np.ndarray, c: np.ndarray
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(words uint16 [W], states uint32 [nblk, K], counts int64 [nblk]) of the nsym ≥ 1 uint8
+    ``symbols`` (a 1-D tensor on the kernel's device), as ``rans.encode_symbols``."""
+    nsym = symbols.numel()
+    nblk = -(-nsym // BLOCK_SYMBOLS)
+    device = symbols.device
+    ft, ct, cmpl = _tables(f, c, device)
+    scratch = torch.zeros((nblk, BLOCK_SYMBOLS + 1), dtype=torch.uint16, device=device)
+    states = torch.empty((nblk, LANES), dtype=torch.uint32, device=device)
+    counts = torch.empty(nblk, dtype=torch.int64, device=device)
+    _encode_kernel[(nblk,)](symbols, ft, ct, cmpl, scratch, states, counts, nsym,
+                            LANES_C=LANES, STEPS_C=STEPS, PREC=PRECISION, LOW=STATE_LOW)
+    column = torch.arange(BLOCK_SYMBOLS + 1, device=device)[None, :]
+    keep = column >= (BLOCK_SYMBOLS + 1 - counts)[:, None]
+    return scratch[keep], states, counts
+
+
+def decode_symbols(states: torch.Tensor, counts: torch.Tensor, words: torch.Tensor,
+                   f: np.ndarray, c: np.ndarray, nsym: int) -> torch.Tensor | None:
+    """The nsym uint8 symbols of a body (``rans.decode_symbols``), or None if a block's stream
+    is refused (past its end, words left unread, a lane not back at 2^16)."""
+    device = words.device
+    nblk = states.shape[0]
+    ft, ct, _ = _tables(f, c, device)
+    slots = torch.as_tensor(slot_symbols(np.asarray(f, np.int64)), device=device)
+    counts = counts.to(device=device, dtype=torch.int64)
+    starts = torch.cumsum(counts, 0) - counts
+    out = torch.empty(nsym, dtype=torch.uint8, device=device)
+    status = torch.zeros(nblk, dtype=torch.int32, device=device)
+    padded = torch.cat([words.reshape(-1), words.new_zeros(1)])  # index nwords: always valid
+    _decode_kernel[(nblk,)](states.to(device=device, dtype=torch.int64).contiguous(), counts,
+                            starts, padded, words.numel(), slots, ft, ct, out,
+                            status, nsym, LANES_C=LANES, STEPS_C=STEPS, PREC=PRECISION,
+                            LOW=STATE_LOW)
+    return None if bool(status.any()) else out

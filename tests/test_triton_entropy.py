@@ -1,0 +1,51 @@
+"""The Triton rANS kernels (``horovod_aq.torch.triton_entropy``) against the numpy oracle
+(``horovod_aq.codec.rans``), under Triton's interpreter on CPU (tests/conftest.py sets
+TRITON_INTERPRET=1): the same states, counts and words, the same symbols back, and a corrupted
+stream refused (docs/format.md §12)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from horovod_aq.codec import entropy_format as ef
+from horovod_aq.codec import rans
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+te = pytest.importorskip("horovod_aq.torch.triton_entropy")
+
+
+def _symbols(bits, n, seed):
+    rng = np.random.default_rng(seed)
+    p = np.exp(-np.abs(np.arange(1 << bits) - (1 << bits) / 2.0))
+    codes = rng.choice(1 << bits, size=n, p=p / p.sum()).astype(np.uint8)
+    table = ef.code_table(codes, 1 << bits)
+    f, c = ef.symbol_model(table, bits)
+    return ef.group_symbols(codes, bits), f, c
+
+
+#: (bits, n): one symbol; a partial block at 3, 2 and 8 bits. Two blocks (n = BLOCK_SYMBOLS + 40
+#: at 8 bits) pass too but take 1.5 min in the interpreter; benchmarks/gpu_check.py runs them.
+@pytest.mark.parametrize("bits, n", [(3, 1), (3, 2000), (2, 4000), (8, 700)])
+def test_same_words_states_and_counts_as_the_oracle(bits, n):
+    symbols, f, c = _symbols(bits, n, bits * n)
+    want = rans.encode_symbols(symbols, f, c)
+    words, states, counts = te.encode_symbols(torch.from_numpy(symbols), f, c)
+    assert np.array_equal(states.numpy(), want[0])
+    assert np.array_equal(counts.numpy(), want[1])
+    assert np.array_equal(words.numpy(), want[2])
+    back = te.decode_symbols(states, counts, words, f, c, symbols.size)
+    assert back is not None and np.array_equal(back.numpy(), symbols)
+
+
+def test_a_corrupted_stream_is_refused():
+    symbols, f, c = _symbols(3, 3000, 1)
+    words, states, counts = te.encode_symbols(torch.from_numpy(symbols), f, c)
+    for bad_words, bad_states, bad_counts in (
+            (words[:-1], states, counts - 1),            # a word short: state off 2^16
+            (words, states, counts + 1),                 # a forged count: reads past its end
+            ((words.to(torch.int32) ^ 1).to(torch.uint16), states, counts),  # flipped bits
+            (words, (states.to(torch.int64) + 1).to(torch.uint32), counts)):  # a bad state
+        assert te.decode_symbols(bad_states, bad_counts, bad_words, f, c,
+                                 symbols.size) is None
