@@ -47,7 +47,7 @@ def test_stock_compress_is_codec_quantize_and_sees_new_tables_without_retrace():
             comp.set_table(LevelTable(levels, version))
         u = _next_uniforms(comp, x.size)
         got = fn(tf.constant(x)).numpy()
-        want = codec.quantize(x, comp.table, bucket_size=BUCKET, uniforms=u)
+        want = codec.quantize(x, comp.table, bucket_size=BUCKET, norm=comp.norm, uniforms=u)
         np.testing.assert_array_equal(got, want.astype(np.float16).astype(np.float32))
     assert fn.experimental_get_tracing_count() == 1
 
