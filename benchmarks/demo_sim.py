@@ -290,12 +290,22 @@ def main(argv=None) -> int:
 
         with open(args.out) as f:
             runs = [json.loads(line) for line in f if line.strip()]
-        notes = [f"Runs: every JSON line of {os.path.basename(args.out)} ({len(runs)} runs; "
-                 "the grid ran in parts, each part with the command above and its --configs)",
+        wall = sum(r["seconds"] for r in runs) / 60
+        notes = [f"Runs: every JSON line of {os.path.basename(args.out)} ({len(runs)} runs). "
+                 "The grid ran in parts: a row is the command above with --configs set to the "
+                 "row's configuration and --seeds to its seeds",
+                 f"Wall time: {wall:.1f} min, the sum of the runs' own times (one process, "
+                 "one thread; the load average above is the report's, not the runs')",
+                 "Configurations: `fp32`, or a compressor with its arguments; `noise=ρ`: fp32 "
+                 "plus Gaussian noise of ρ × the minibatch noise, even over each layer; "
+                 "`gauss=1`: the quantizer's own per-coordinate variance as Gaussian noise "
+                 "(the module docstring lists every key)",
                  f"{args.workers} simulated ranks, {args.epochs} epochs, the row's lr per rank "
                  f"(× {args.workers}), batch {args.batch} per rank, SGD momentum 0.9",
                  "γ: E‖Q(x)−x‖²/‖x‖² per rank (exact expectation), ρ: E‖ḡ_Q − ḡ‖² ÷ the "
-                 f"minibatch noise of ḡ; both every {args.diag_every} steps, mean over the run"]
+                 f"minibatch noise of ḡ; both every {args.diag_every} steps, mean over the run; "
+                 "with `ef=1` both measure the compensated vector (gradient plus error "
+                 "memory) the quantizer sees, not the step's error"]
         path = report.write(args.report, "The demo's training, simulated: accuracy and noise",
                             summarize(runs) + "\n", notes=notes)
         print(f"wrote {path}")

@@ -10,6 +10,7 @@ import datetime as dt
 import importlib
 import os
 import platform
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,7 +62,7 @@ def versions(modules: Sequence[str] = VERSION_MODULES) -> str:
 
 def command() -> str:
     script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
-    return " ".join(["python", script] + sys.argv[1:])
+    return shlex.join(["python", script] + sys.argv[1:])
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
