@@ -9,8 +9,9 @@
 
 An explicit state object and a stateless hook, as PyTorch's PowerSGD hook; like
 ``PowerSGDState`` the state is lazy: the process group and everything that depends on it are
-resolved at the first bucket, so the state can be built before ``init_process_group`` (e.g. by
-Lightning's ``DDPStrategy(ddp_comm_state=...)``). The hook encodes each ``GradBucket``'s flat
+resolved at the first bucket, so the state can be built before ``init_process_group`` (e.g. for
+Lightning or Accelerate, docs/ddp.md §1; Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers
+hooks on CUDA only, so on CPU a callback registers it). The hook encodes each ``GradBucket``'s flat
 buffer with the packed kernels and exchanges the payloads over ``torch.distributed`` — the one
 torch wire engine (:class:`horovod_aq.torch.wire.Wire`) over
 :class:`~horovod_aq.torch.dist_comm.DistCollectives`: allgather, or the two-phase exchange, per
