@@ -288,8 +288,9 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]], wall: float
     fp32 = results.get("fp32")
     fp32_bytes = statistics.fmean(r["bytes_per_step"] for r in fp32) if fp32 else None
     fp32_acc = {r["seed"]: r["test_acc"] for r in fp32 or []}
+    order = {c[0]: i for i, c in enumerate(CONFIGS)}
     rows = []
-    for label, runs in results.items():
+    for label, runs in sorted(results.items(), key=lambda kv: order.get(kv[0], len(order))):
         if not runs:
             continue
         bits = statistics.fmean(r["bits_per_coordinate"] for r in runs)
@@ -329,6 +330,10 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]], wall: float
         "coefficients",
         f"Wall time of this invocation {wall / 60:.1f} min",
     ]
+    if args.resume:
+        notes.append("In parts (--resume): the rows keep the runs of earlier invocations from the "
+                     "report's .json; the command and wall time above are this invocation's, "
+                     "s per run is each row's own")
     body = (table + "\n\nbits/coordinate: payload bits per quantized coordinate (codes + fp32 "
             "norms + header); bytes vs fp32: telemetry bytes sent per rank per step ÷ fp32's.\n"
             f"\n![test accuracy per epoch]({fig.name})\n")
