@@ -109,22 +109,12 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-#: Circles that main's entropy coder brought in (the dispatch of ``reference.decode`` /
-#: ``fused.decode`` to the entropy modules, which use the fixed-width modules' helpers), left
-#: to the codec's owner. Exactly these are tolerated: a new circle fails the test, and so does
-#: breaking one of these without deleting its line here.
-KNOWN_CIRCLES = [
-    ["horovod_aq.codec.entropy", "horovod_aq.codec.reference"],
-    ["horovod_aq.codec.fused", "horovod_aq.codec.fused_entropy"],
-]
-
-
 def test_the_package_has_no_import_circle() -> None:
     graph = import_graph()
     # the scan reads the framework modules too
     assert {"horovod_aq.torch.kernels", "horovod_aq.tensorflow.kernels",
             "horovod_aq.keras"} <= set(graph)
-    assert circles(graph) == KNOWN_CIRCLES
+    assert circles(graph) == []
 
 
 def test_the_scan_finds_a_circle(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The horovod_aq payload: one uint8 buffer per gradient, and the numpy oracle that writes it.
 
-Three modules (every public name is re-exported here, so ``codec.encode`` etc. keep working):
+Its modules (every public name is re-exported here, so ``codec.encode`` etc. keep working):
 
 * ``horovod_aq.codec.format``: the wire format — the layout byte by byte, the header fields and
   offsets, sizes, ``make_header`` / ``parse_header`` / ``check_header``, the non-finite marker,
@@ -11,6 +11,9 @@ Three modules (every public name is re-exported here, so ``codec.encode`` etc. k
 * ``horovod_aq.codec.reference``: the numpy reference encoder/decoder and its eight arithmetic
   steps, which ``horovod_aq.torch.kernels`` and ``horovod_aq.tensorflow.kernels`` match byte for
   byte.
+* ``horovod_aq.codec.quantize`` and ``horovod_aq.codec.rows``: the oracle's arithmetic steps
+  (norms, rounding, dequantizing, uniforms) and its checks and reading of gathered rows, shared
+  with the entropy-coded body (``horovod_aq.codec.entropy``).
 
 Per-bucket statistics are not part of the codec: they are ``horovod_aq.levels.stats``
 (``bucket_moments``, re-exported here).
@@ -78,22 +81,15 @@ from horovod_aq.codec.format import (
     payload_size,
     seal_checksum,
 )
-from horovod_aq.codec.reference import (
+from horovod_aq.codec.quantize import (
     bucket_norms,
-    check_checksums,
-    check_data,
-    check_rows,
-    decode,
-    decode_average,
     draw_uniforms,
-    encode,
     pairwise_sum_rows,
-    parse_rows,
-    quantize,
     quantize_codes,
     rounding_variance,
-    variable_rows,
 )
+from horovod_aq.codec.reference import decode, decode_average, encode, quantize, variable_rows
+from horovod_aq.codec.rows import check_checksums, check_data, check_rows, parse_rows
 from horovod_aq.codec.stream import StreamKey, philox4x32, seed_for_rank, stream_uniforms
 from horovod_aq.levels.stats import bucket_moments
 

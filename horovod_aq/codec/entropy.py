@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from horovod_aq.codec import reference
 from horovod_aq.codec.bits import pack_bits
 from horovod_aq.codec.entropy_format import (
     CODER_HEADER_FORMAT,
@@ -60,7 +59,9 @@ from horovod_aq.codec.format import (
     payload_size,
     seal_checksum,
 )
+from horovod_aq.codec.quantize import dequantize, normalized, prepare, round_codes
 from horovod_aq.codec.rans import decode_symbols, encode_symbols
+from horovod_aq.codec.rows import parse_rows, read_fixed_payload, tag_rank
 from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels.table import LevelTable
 
@@ -84,9 +85,9 @@ def encode_entropy(
     ``len(result)`` (and, entropy-coded, the coder header's coded size); it is at most
     ``payload_size(x.size, bits, bucket_size)``."""
     checksum = check_bool("checksum", checksum)
-    table, bucket_size, flat, norms, u = reference._prepare(x, levels, bucket_size, norm, seed,
-                                                            uniforms, key)
-    codes = reference._round(reference._normalized(flat, norms, bucket_size), table, u)
+    table, bucket_size, flat, norms, u = prepare(x, levels, bucket_size, norm, seed, uniforms,
+                                                 key)
+    codes = round_codes(normalized(flat, norms, bucket_size), table, u)
     return assemble(codes, norms, table, bucket_size, norm, checksum=checksum)
 
 
@@ -149,11 +150,11 @@ def read_payload(data: np.ndarray, header: Header, table: LevelTable) -> np.ndar
     if not header.entropy:
         check_size(header, data.size)
         check_checksum(data, header)
-        return reference._read_payload(data, header, table)
+        return read_fixed_payload(data, header, table)
     body = parse_body(data, header)
     check_checksum(data, header)
     norms, codes = decode_entropy_codes(data, header, body)
-    return reference._dequantize(codes, norms, table, header.bucket_size)
+    return dequantize(codes, norms, table, header.bucket_size)
 
 
 def _rows(payloads: Any) -> list[np.ndarray]:
@@ -183,7 +184,7 @@ def decode_rows_average(
     checksum; then each row's data, in rank order."""
     table = as_table(levels)
     rows = _rows(payloads)
-    headers = reference.parse_rows(rows)
+    headers = parse_rows(rows)
     first = headers[0]
     settings = {"numel": first.numel if numel is None else numel,
                 "bucket_size": first.bucket_size if bucket_size is None else bucket_size,
@@ -198,25 +199,25 @@ def decode_rows_average(
                 check_size(header, row.size)
                 bodies.append(None)
         except (PayloadError, NonFiniteGradientError) as err:
-            reference._name_rank(err, rank)
+            tag_rank(err, rank)
             raise
     for rank, (row, header) in enumerate(zip(rows, headers)):
         try:
             check_checksum(row, header)
         except PayloadError as err:
-            reference._name_rank(err, rank)
+            tag_rank(err, rank)
             raise
     world = np.float32(len(rows))
     acc = None
     for rank, (row, header, body) in enumerate(zip(rows, headers, bodies)):
         try:
             if body is None:
-                values = reference._read_payload(row, header, table)
+                values = read_fixed_payload(row, header, table)
             else:
                 norms, codes = decode_entropy_codes(row, header, body)
-                values = reference._dequantize(codes, norms, table, header.bucket_size)
+                values = dequantize(codes, norms, table, header.bucket_size)
         except PayloadError as err:
-            reference._name_rank(err, rank)
+            tag_rank(err, rank)
             raise
         values = values / world
         acc = values if acc is None else acc + values

@@ -1,10 +1,10 @@
 """Fused CPU kernels of the entropy-coded wire (numba): byte-identical to ``codec.entropy``.
 
-``encode_entropy`` runs the fused quantizer of ``horovod_aq.codec.fused`` with one code per
+``encode_entropy`` runs the fused quantizer of ``horovod_aq.codec.fused_fixed`` with one code per
 byte (same norms, Philox stream and rounding: the same codes), counts the codes, builds the
 model on the host (``entropy_format.code_table`` / ``symbol_model``: 2^(g·b) ≤ 256 entries) and
 codes the symbols with the compiled interleaved rANS; the payload is the oracle's
-(``entropy.assemble``), and the fixed-width one of ``fused.encode`` when that is not larger.
+(``entropy.assemble``), and the fixed-width one of ``fused_fixed.encode`` when that is not larger.
 
 ``decode_average`` decodes P payloads of any lengths and kinds in one compiled pass per coder
 block (each row's block decoded, scaled and added in rank order while the block's output stays
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from horovod_aq.codec import entropy, fused, reference
+from horovod_aq.codec import entropy, reference
 from horovod_aq.codec.entropy_format import (
     CODE_TABLE_BITS,
     LANES,
@@ -57,8 +57,16 @@ from horovod_aq.codec.format import (
     float32_levels,
     payload_size,
 )
+from horovod_aq.codec.fused_fixed import (
+    check_out,
+    encode,
+    flat_float32,
+    raise_like_oracle,
+    search_tables,
+)
 from horovod_aq.codec.fused_kernels import _code_encoder
 from horovod_aq.codec.rans import slot_symbols
+from horovod_aq.codec.rows import parse_rows
 from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels.table import LevelTable
 
@@ -75,10 +83,10 @@ def encode_entropy(x: Any, table: LevelTable | Any, *, bucket_size: int, norm: s
     norm = check_norm(norm)
     if not isinstance(key, StreamKey):
         raise TypeError(f"key must be a horovod_aq.codec.stream.StreamKey, got {key!r}")
-    flat = fused._flat_float32(x)
+    flat = flat_float32(x)
     n, bits = flat.size, table.bits
     if n == 0:
-        return fused.encode(flat, table, bucket_size=bucket_size, norm=norm, key=key,
+        return encode(flat, table, bucket_size=bucket_size, norm=norm, key=key,
                             checksum=checksum)
     try:
         levels = float32_levels(table)
@@ -89,8 +97,8 @@ def encode_entropy(x: Any, table: LevelTable | Any, *, bucket_size: int, norm: s
     status = -1 if levels is None else _run_codes(flat, levels, bits, bucket_size, norm, key,
                                                   norms, codes)
     if levels is None or status >= 0:   # the oracle's own error (non-finite, overflow, table)
-        fused._raise_like_oracle(reference.encode, flat, table, bucket_size=bucket_size,
-                                 norm=norm, uniforms=np.zeros(n, np.float32))
+        raise_like_oracle(reference.encode, flat, table, bucket_size=bucket_size, norm=norm,
+                          uniforms=np.zeros(n, np.float32))
     t = code_table_of(codes, table.num_levels)
     f, c = symbol_model(t, bits)
     states = np.empty(num_blocks(n, bits) * LANES, np.uint32)
@@ -99,7 +107,7 @@ def encode_entropy(x: Any, table: LevelTable | Any, *, bucket_size: int, norm: s
     total = _rans_encoder(bits)(codes, *encoder_tables(f, c), states, counts, words)
     size = entropy_payload_size(n, bits, bucket_size, table.num_levels, total)
     if size >= payload_size(n, bits, bucket_size):
-        return fused.encode(flat, table, bucket_size=bucket_size, norm=norm, key=key,
+        return encode(flat, table, bucket_size=bucket_size, norm=norm, key=key,
                             checksum=checksum)
     return entropy.assemble(codes, norms, table, bucket_size, norm, checksum=checksum,
                             coded=(t, states.reshape(-1, LANES), counts, words[:total]))
@@ -111,9 +119,9 @@ def code_table_of(codes: np.ndarray, num_levels: int) -> np.ndarray:
 
 
 def _run_codes(flat, levels, bits, bucket_size, norm, key, norms, codes) -> int:
-    """The fused quantizer writing one code per byte (``fused._run_encoder``'s arguments)."""
+    """The fused quantizer writing one code per byte (``fused_fixed.run_encoder``'s arguments)."""
     k0, k1, c1, c2, c3 = key.scalars()
-    interior, padded, cells = fused._search_tables(levels, bits)
+    interior, padded, cells = search_tables(levels, bits)
     return _code_encoder(bits)(flat, flat.view(np.uint32), bucket_size, norm == "linf",
                                interior, padded, cells, k0, k1, c1, c2, c3, norms, codes)
 
@@ -143,11 +151,11 @@ def decode_average(payloads: Any, table: LevelTable | Any, *, dtype: Any = np.fl
     rows = entropy._rows(payloads)
 
     def oracle() -> None:
-        fused._raise_like_oracle(entropy.decode_rows_average, rows, table, numel=numel,
-                                 bucket_size=bucket_size, norm=norm)
+        raise_like_oracle(entropy.decode_rows_average, rows, table, numel=numel,
+                          bucket_size=bucket_size, norm=norm)
 
     try:
-        headers = reference.parse_rows(rows)
+        headers = parse_rows(rows)
         first = headers[0]
         settings = {"numel": first.numel if numel is None else numel,
                     "bucket_size": first.bucket_size if bucket_size is None else bucket_size,
@@ -173,8 +181,7 @@ def decode_average(payloads: Any, table: LevelTable | Any, *, dtype: Any = np.fl
                 check_body(body)
     except (PayloadError, ValueError):
         oracle()
-    result = np.empty(n, np.float32) if out is None else fused._check_out(out, n, np.float32,
-                                                                          "decode")
+    result = np.empty(n, np.float32) if out is None else check_out(out, n, np.float32, "decode")
     if n == 0:
         return result.astype(dtype, copy=False) if out is None else result
     P = len(rows)

@@ -4,7 +4,8 @@ canonical pairwise order, level search and stochastic rounding, bit packing, dec
 One encoder and one decoder are compiled per code width (``_encoder(bits)``,
 ``_decoder(bits)``), so that the fixed width lets the inner loops vectorize; ``cache=True``
 keeps the machine code on disk for later processes. The arithmetic is docs/format.md §5–§6;
-``horovod_aq.codec.fused`` wraps these loops with the validation and errors of the oracle.
+``horovod_aq.codec.fused_fixed`` and ``fused_entropy`` wrap these loops with the validation and
+errors of the oracle.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from horovod_aq.codec import (
     NonFiniteGradientError,
     PayloadError,
 )
-from horovod_aq.codec import reference as _reference
+from horovod_aq.codec.rows import tag_rank
 
 __all__ = ["checksum_check", "data_check", "decoder_header_check", "encoder_header_check",
            "field_value", "translate_error", "values_check"]
@@ -151,7 +151,7 @@ def _host_checksums(rows: np.ndarray, average: bool) -> np.ndarray:
     error names the rank, as ``codec.decode_average``)."""
     headers = [codec.parse_header(row) for row in rows]
     if average:
-        _reference.check_checksums(rows, headers)
+        codec.check_checksums(rows, headers)
     else:
         codec.check_checksum(rows[0], headers[0])
     return np.bool_(True)
@@ -174,10 +174,10 @@ def _host_refusal(rows: np.ndarray, levels: np.ndarray, average: bool) -> np.nda
     """The oracle's data checks of every row (``codec.check_data``), which raise its error."""
     for rank, row in enumerate(rows):
         try:
-            _reference.check_data(row, codec.parse_header(row), int(np.asarray(levels).size))
+            codec.check_data(row, codec.parse_header(row), int(np.asarray(levels).size))
         except PayloadError as err:
             if average:
-                _reference._name_rank(err, rank)
+                tag_rank(err, rank)
             raise
     raise PayloadError("horovod_aq.tensorflow: the graph check refused a payload that the numpy "
                        "codec accepts (please report this bug)")
