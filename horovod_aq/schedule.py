@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from horovod_aq._arguments import SettingTypeError, integer
+
 #: The ALQ paper's CIFAR-10 schedule: at steps 0, 100, 2000 and every 10,000 steps.
 DEFAULT_STEPS = (0, 100, 2000)
 DEFAULT_EVERY = 10_000
@@ -31,8 +33,6 @@ class RefitSchedule:
 
     def __post_init__(self) -> None:
         # checked, never truncated (every=2.5 is refused, not read as 2)
-        from horovod_aq.compressors.arguments import SettingTypeError, integer
-
         if isinstance(self.steps, (str, bytes)) or not hasattr(self.steps, "__iter__"):
             raise SettingTypeError(
                 f"steps must be a sequence of integers >= 0 (the refit steps), got "

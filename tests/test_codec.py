@@ -353,10 +353,10 @@ def test_unbiased_and_variance_matches_the_per_bucket_formula(table, norm, n, bu
 # ------------------------------------------------------------------------------- bucket stats
 
 
-def test_bucket_stats_skip_tail_and_zero_buckets():
+def test_bucket_moments_skip_tail_and_zero_buckets():
     x = gradient(1030)
     x[100:200] = 0
-    norms, means, stds = codec.bucket_stats(x, 100)
+    norms, means, stds = codec.bucket_moments(x, 100)
     rows = [x[k * 100 : (k + 1) * 100].astype(np.float64) for k in range(10) if k != 1]
     assert norms.size == 9
     for k, v in enumerate(rows):
@@ -364,8 +364,8 @@ def test_bucket_stats_skip_tail_and_zero_buckets():
         assert np.isclose(norms[k], np.linalg.norm(v), rtol=1e-12)
         assert np.isclose(means[k], u.mean(), rtol=1e-9, atol=1e-15)
         assert np.isclose(stds[k], u.std(ddof=1), rtol=1e-9)
-    with pytest.raises(ValueError, match="bucket_size must be in 2"):
-        codec.bucket_stats(x, 1)
+    with pytest.raises(ValueError, match="bucket_size must be an integer >= 2"):
+        codec.bucket_moments(x, 1)
 
 
 # ---------------------------------------------------------------------------------- bad input

@@ -123,10 +123,10 @@ def test_unbiased_with_stateless_seeds():
     assert np.all(np.abs(q.astype(np.float64).mean(0) - x) <= bound)
 
 
-def test_bucket_stats_and_norms_match_codec():
+def test_bucket_moments_and_norms_match_codec():
     x = gradient(5000)
     x[:500] = 0
-    for a, b in zip(tk.bucket_stats(tf.constant(x), 500), codec.bucket_stats(x, 500)):
+    for a, b in zip(tk.bucket_moments(tf.constant(x), 500), codec.bucket_moments(x, 500)):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-15)
     for norm in ("l2", "linf"):
         assert np.array_equal(tk.bucket_norms(tf.constant(x), 333, norm).numpy(),

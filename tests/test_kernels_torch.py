@@ -174,11 +174,11 @@ def test_empty_tensor():
     assert tk.decode_average(torch.stack([payload, payload]), table).shape == (0,)
 
 
-def test_bucket_stats_matches_codec():
+def test_bucket_moments_matches_codec():
     x = gradient(10_250)
     x[512:1024] = 0
-    got = tk.bucket_stats(torch.from_numpy(x), 512)
-    ref = codec.bucket_stats(x, 512)
+    got = tk.bucket_moments(torch.from_numpy(x), 512)
+    ref = codec.bucket_moments(x, 512)
     assert got[0].dtype == np.float64 and got[0].size == 19
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-15)

@@ -9,7 +9,6 @@ from horovod_aq.levels import (
     BucketStats,
     TruncatedNormalMixture,
     bucket_moments,
-    bucket_stats,
     fit_alq,
     validate_levels,
 )
@@ -69,14 +68,6 @@ def test_bucket_moments_is_the_definition_behind_from_gradient() -> None:
         bucket_moments(np.array([1.0, np.nan]), 2)
     with pytest.raises(ValueError, match="bucket_size"):
         bucket_moments(np.ones(4), 1)
-
-
-def test_bucket_stats_is_a_deprecated_alias_of_from_gradient() -> None:
-    x = _gradient(np.random.default_rng(6), 12, 32, tail=3)
-    with pytest.warns(DeprecationWarning, match="from_gradient"):
-        old = bucket_stats(x, 32, top_k=4, histogram=True)
-    new = BucketStats.from_gradient(x, 32, top_k=4, histogram=True)
-    assert np.array_equal(old.to_array(4), new.to_array(4))
 
 
 def test_top_k_and_canonical_order() -> None:

@@ -21,6 +21,7 @@ from tests.test_tf_packed import (
     EncodeRecorder,
     _assert_allgather_oracle,
     _assert_two_phase_oracle,
+    _distributed_tape,
     _evaluate,
     _keras_model,
     _mnist,
@@ -67,15 +68,13 @@ def _ecq():
 
 def _traced_step(tf, hvd, comp, v, exchange="allgather", lr=0.0):
     """A tf.function train step (tape → packed exchange → SGD update when lr > 0)."""
-    import horovod_aq.tensorflow as aqtf
-
     holder = {}
 
     @tf.function
     def train_step(x, y, scale):
         with tf.GradientTape() as tape:
             loss = scale * _forward(tf, v, x, y)
-        t = aqtf.DistributedGradientTape(tape, comp, exchange=exchange, fusion_bytes=FUSION_BYTES)
+        t = _distributed_tape(tape, comp, exchange=exchange, fusion_bytes=FUSION_BYTES)
         holder["tape"] = t
         grads = t.gradient(loss, list(v.values()))
         if lr:

@@ -9,12 +9,11 @@ and the same uniforms (re-drawn from the recorded generator state).
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
 from horovod_aq import codec
+from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels.stats import bucket_moments, normalized_histogram
 from horovod_aq.tools.launcher import run_local
 from tests.ranks import init_tf
@@ -29,44 +28,57 @@ TRAIN_STEPS = 500  # 10 epochs of 50 batches of 40 per rank; refits at steps 0 a
 
 # ---------------------------------------------------------------- helpers (inside the ranks)
 class EncodeRecorder:
-    """Record every payload the TF packed exchange encodes: (bucket, phase, call order, stream
-    key of its uniforms, input, payload), via a numpy_function attached to the graph."""
+    """Record every payload the TF packed exchange encodes through its public payload tap
+    (``PackedExchange.tap``): entries (bucket, phase, order, stream key of its uniforms, input,
+    payload), phase "submit" (allgather payload or a two-phase chunk) or "reencode" (the
+    two-phase averaged chunk, stream part P). Within ``with``, every tape built by
+    :func:`_distributed_tape` is tapped; ``sorted()`` orders the entries as the graph encodes
+    them (submits bucket by bucket and chunk by chunk, then re-encodes)."""
+
+    active = None
 
     def __init__(self):
-        from horovod_aq.tensorflow import packed
-
-        self.cls = packed.PackedExchange
         self.entries = []
-        self._order = itertools.count()
+        self._exchanges = []
 
     def __enter__(self):
-        import tensorflow as tf
-
-        original = self.cls._encode
-        self._saved = original
-        rec = self
-
-        def _encode(exchange, x, numel, bucket, phase, seed):
-            out = original(exchange, x, numel, bucket, phase, seed)
-            k = next(rec._order)
-
-            def log(s, xx, o):
-                rec.entries.append((bucket, phase, k, s.copy(), xx.copy(), o.copy()))
-                return np.int64(0)
-
-            done = tf.numpy_function(log, [seed, x, out], tf.int64, stateful=True)
-            with tf.control_dependencies([done]):
-                return tf.identity(out)
-
-        self.cls._encode = _encode
+        EncodeRecorder.active = self
         return self
 
     def __exit__(self, *exc):
-        self.cls._encode = self._saved
+        EncodeRecorder.active = None
+        for exchange in self._exchanges:
+            exchange.tap = None
         return False
+
+    def attach(self, exchange):
+        if exchange not in self._exchanges:
+            import horovod.tensorflow as hvd
+
+            quantizer, ranks, rank = exchange.compression.quantizer, exchange.ranks, hvd.rank()
+
+            def tap(bucket, part, values, payload):
+                phase = "reencode" if part == ranks else "submit"
+                order = (phase == "reencode", bucket.index, part)   # (stage, bucket, part)
+                key = StreamKey(quantizer.seed, rank, quantizer.step, bucket.index, part)
+                self.entries.append((bucket.name, phase, order, np.asarray(key.scalars()),
+                                     values, payload))
+
+            exchange.tap = tap
+            self._exchanges.append(exchange)
 
     def sorted(self):
         return sorted(self.entries, key=lambda e: e[2])
+
+
+def _distributed_tape(tape, comp, **kwargs):
+    """``horovod_aq.tensorflow.DistributedGradientTape``, tapped by the active recorder."""
+    import horovod_aq.tensorflow as aqtf
+
+    t = aqtf.DistributedGradientTape(tape, comp, **kwargs)
+    if EncodeRecorder.active is not None:
+        EncodeRecorder.active.attach(t.exchange)
+    return t
 
 
 def _variables(tf, seed=0):
@@ -104,12 +116,10 @@ def _compressor(method="qsgd", bits=3, schedule="0", **kw):
 
 
 def _packed_step(tf, hvd, comp, v, exchange, in_function, step=0):
-    import horovod_aq.tensorflow as aqtf
-
     def run():
         with tf.GradientTape() as tape:
             loss = _loss(tf, v, hvd.rank(), step)
-        t = aqtf.DistributedGradientTape(tape, comp, exchange=exchange, fusion_bytes=FUSION_BYTES)
+        t = _distributed_tape(tape, comp, exchange=exchange, fusion_bytes=FUSION_BYTES)
         return t.gradient(loss, list(v.values())), t
 
     if in_function:
@@ -175,7 +185,7 @@ def refit_in_function():
     def train_step():
         with tf.GradientTape() as tape:
             loss = _loss(tf, v, hvd.rank())
-        t = aqtf.DistributedGradientTape(tape, comp, fusion_bytes=FUSION_BYTES)
+        t = _distributed_tape(tape, comp, fusion_bytes=FUSION_BYTES)
         holder["tape"] = t
         grads = t.gradient(loss, list(v.values()))
         for var, g in zip(v.values(), grads):

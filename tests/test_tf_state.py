@@ -18,7 +18,7 @@ from horovod_aq.levels.table import LevelTable
 tf = pytest.importorskip("tensorflow")
 pytest.importorskip("horovod.tensorflow")
 
-from horovod_aq.tensorflow.state import graph_bucket_stats, tf_state  # noqa: E402
+from horovod_aq.tensorflow.state import graph_bucket_moments, tf_state  # noqa: E402
 
 BUCKET = 64
 
@@ -47,7 +47,7 @@ def test_stock_compress_is_codec_quantize_and_sees_new_tables_without_retrace():
             comp.set_table(LevelTable(levels, version))
         u = _next_uniforms(comp, x.size)
         got = fn(tf.constant(x)).numpy()
-        want = codec.quantize(x, comp.table, bucket_size=BUCKET, uniforms=u)
+        want = codec.quantize(x, comp.table, bucket_size=BUCKET, norm=comp.norm, uniforms=u)
         np.testing.assert_array_equal(got, want.astype(np.float16).astype(np.float32))
     assert fn.experimental_get_tracing_count() == 1
 
@@ -76,7 +76,7 @@ def test_recorded_statistics_match_the_codec():
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
     assert comp.wants_histogram  # ALQ's default model: the histogram is recorded too
     np.testing.assert_allclose(stats[0][3], normalized_histogram(x, BUCKET), rtol=1e-12)
-    norms, means, stds = (t.numpy() for t in graph_bucket_stats(tf.constant(x), BUCKET))
+    norms, means, stds = (t.numpy() for t in graph_bucket_moments(tf.constant(x), BUCKET))
     assert norms.size == x.size // BUCKET and norms[1] == 0 and means[1] == 0 and stds[1] == 0
 
 
@@ -150,7 +150,7 @@ def test_error_feedback_memory_variables_follow_the_core():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "int64",
                                    "uint32", "bool", "uint8", "int8"])
 def test_variable_bytes_roundtrip(dtype):
-    from horovod_aq.tensorflow.keras import _as_bytes, _from_bytes
+    from horovod_aq.tensorflow.callbacks import _as_bytes, _from_bytes
 
     rng = np.random.default_rng(0)
     for shape in [(), (3,), (2, 5)]:

@@ -462,9 +462,53 @@ def wrapped_twice():
     return out
 
 
+def _readme_torch_snippet() -> str:
+    """The README's PyTorch block (the first ```python block that wraps with horovod_aq.torch)."""
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+    return next(b for b in blocks if "horovod_aq.torch.DistributedOptimizer" in b)
+
+
+#: The README's PyTorch snippet, read here (in pytest) and run as written in the ranks.
+README_TORCH = _readme_torch_snippet()
+
+
+def readme_snippet():
+    """The README's PyTorch block runs as written after a setup that builds ``model``, ``opt``,
+    ``loss_fn`` and ``data`` (different initial weights and data on every rank): it must train
+    (loss falls), end with the same weights on every rank, and refit on schedule by itself."""
+    torch, hvd = init_torch()
+    import torch.nn.functional as F
+
+    torch.manual_seed(100 + hvd.rank())
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = F.cross_entropy
+    gen = torch.Generator().manual_seed(hvd.rank())
+    w = torch.randn(20, 4, generator=torch.Generator().manual_seed(0))
+    data = []
+    for _ in range(120):
+        x = torch.randn(16, 20, generator=gen)
+        data.append((x, (x @ w).argmax(1)))
+    x0, y0 = data[0]
+    with torch.no_grad():
+        before = loss_fn(model(x0), y0).item()
+    ns = {"model": model, "opt": opt, "loss_fn": loss_fn, "data": data}
+    exec(README_TORCH, ns)  # noqa: S102  (the README's text, as a user runs it)
+    with torch.no_grad():
+        after = loss_fn(model(x0), y0).item()
+    comp = ns["opt"].compression
+    return {"weights": _weights(model), "before": before, "after": after,
+            "steps": comp.step, "version": comp.table.version}
+
+
 CHECKS = [resume_layouts, fresh_start, zero_grad_set_to_none, load_refused_unchanged,
           horovod_signature, sum_and_predivide_quantized, groups_and_sparse, class_compression,
-          warnings_like_horovod, wrapped_twice]
+          warnings_like_horovod, wrapped_twice, readme_snippet]
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
@@ -473,6 +517,15 @@ def launch(request):
 
 
 # ---------------------------------------------------------------- tests
+@pytest.mark.multiprocess
+def test_the_readme_pytorch_snippet_trains_as_written(launch):
+    r0, r1 = launch.get(readme_snippet)
+    assert _same(r0["weights"], r1["weights"])          # broadcast + identical averages
+    assert r0["steps"] == r1["steps"] == 120
+    assert r0["version"] == r1["version"] >= 2          # ALQ refitted at steps 0 and 100
+    assert r0["after"] < 0.7 * r0["before"]
+
+
 @pytest.mark.multiprocess
 def test_broadcast_optimizer_state_resumes_every_layout(launch):
     results = launch.get(resume_layouts)

@@ -13,18 +13,13 @@ Three modules (every public name is re-exported here, so ``codec.encode`` etc. k
   byte.
 
 Per-bucket statistics are not part of the codec: they are ``horovod_aq.levels.stats``
-(``bucket_moments``); ``bucket_stats`` here is a deprecated alias of it.
+(``bucket_moments``, re-exported here).
 
 This package imports numpy only, never torch or tensorflow.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
-
-from horovod_aq.codec import reference as _reference
 from horovod_aq.codec.bits import pack_bits, unpack_bits
 from horovod_aq.codec.entropy import encode_entropy
 from horovod_aq.codec.entropy_format import (
@@ -109,7 +104,7 @@ __all__ = [
     "MAGIC", "MARKER_INDEX_OFFSET", "MAX_BUCKET_SIZE", "MAX_NUMEL", "NORM_BYTES", "NORM_CODES",
     "NORM_NAMES", "NonFiniteGradientError", "PayloadError", "StreamKey", "TABLE_ID_SLICE",
     "as_bytes", "as_table", "bad_code_message", "bad_norm_message", "bucket_moments",
-    "bucket_norms", "bucket_stats", "check_bits", "check_bool", "check_bucket_size",
+    "bucket_norms", "check_bits", "check_bool", "check_bucket_size",
     "check_checksum", "check_checksums", "check_data", "check_finite", "check_header", "check_int",
     "check_norm", "check_norms", "check_payload_norms", "check_rows", "check_size", "decode",
     "decode_average", "draw_uniforms", "empirical_entropy", "encode", "encode_entropy",
@@ -121,13 +116,3 @@ __all__ = [
     "rounding_variance", "seal_checksum", "seed_for_rank", "stream_uniforms", "unpack_bits",
     "variable_rows",
 ]
-
-
-def bucket_stats(x: Any, bucket_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Deprecated: use ``horovod_aq.levels.stats.bucket_moments`` (statistics left the codec).
-
-    ``bucket_moments`` of x cast to float32, after the checks and messages this function always
-    had (bucket_size in 2..2^32 − 1; a finite floating-point x).
-    """
-    bucket_size = check_int("bucket_size", bucket_size, 2, MAX_BUCKET_SIZE)
-    return bucket_moments(_reference._as_float32_flat(x), bucket_size)

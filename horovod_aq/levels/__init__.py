@@ -45,7 +45,7 @@ from horovod_aq.levels.histogram import (
     histogram_edges,
 )
 from horovod_aq.levels.model import Distribution, Law
-from horovod_aq.levels.stats import BucketStats, bucket_moments, bucket_stats, normalized_histogram
+from horovod_aq.levels.stats import BucketStats, bucket_moments, normalized_histogram
 from horovod_aq.levels.table import LevelTable, bits_for, table_hash, validate_levels
 from horovod_aq.levels.variance import (
     canonical_huffman_codes,
@@ -76,7 +76,6 @@ __all__ = [
     "amq_variance",
     "bits_for",
     "bucket_moments",
-    "bucket_stats",
     "canonical_huffman_codes",
     "check_bits",
     "entropy",

@@ -58,7 +58,6 @@ with bucket norms above ~1e154 raise ValueError.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -72,7 +71,7 @@ from horovod_aq.levels.histogram import (
     histogram_edges,
 )
 
-__all__ = ["BucketStats", "bucket_moments", "bucket_stats", "normalized_histogram"]
+__all__ = ["BucketStats", "bucket_moments", "normalized_histogram"]
 
 #: Length of the header of ``BucketStats.to_array``: bucket_size, count, sum_u, sum_sq_dev.
 ARRAY_HEADER = 4
@@ -514,15 +513,3 @@ def bucket_moments(x: object, bucket_size: int) -> tuple[np.ndarray, np.ndarray,
     """
     b = _check_bucket_size(bucket_size)
     return _moments(_real_vector(x), b)
-
-
-def bucket_stats(
-    x: object, bucket_size: int, *, top_k: int | None = None, histogram: bool = False
-) -> BucketStats:
-    """Deprecated alias of ``BucketStats.from_gradient`` (same arguments, same result)."""
-    warnings.warn(
-        "horovod_aq.levels.bucket_stats is deprecated: use BucketStats.from_gradient",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return BucketStats.from_gradient(x, bucket_size, top_k=top_k, histogram=histogram)

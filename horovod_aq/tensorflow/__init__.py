@@ -28,7 +28,6 @@ _LAZY = {
     "ConfigMismatchError": "horovod_aq.packed.protocol",
     "PayloadError": "horovod_aq.codec",
     "refit": "horovod_aq.tensorflow.step",
-    "end_step": "horovod_aq.tensorflow.step",
     "HorovodComm": "horovod_aq.tensorflow.comm",
     "comm_for": "horovod_aq.tensorflow.comm",
     "tf_state": "horovod_aq.tensorflow.state",
@@ -42,5 +41,5 @@ __getattr__ = lazy_attributes(__name__, _LAZY, "horovod.tensorflow",
 
 __all__ = ["DEFAULT_FUSION_BYTES", "ConfigMismatchError", "DistributedGradientTape", "HorovodComm",
            "PartialDistributedGradientTape",
-           "PackedExchange", "PayloadError", "comm_for", "end_step", "exchange_for",
+           "PackedExchange", "PayloadError", "comm_for", "exchange_for",
            "load_state_dict", "refit", "state_dict", "tf_state"]

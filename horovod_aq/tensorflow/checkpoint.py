@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from horovod_aq.error_feedback import collective_state_dict, select_memory
+from horovod_aq.tensorflow.comm import comm_for
 
 
 def _require_eager(what: str) -> None:
@@ -53,8 +54,8 @@ def state_dict(compressor: Any, *,
     buckets = [] if memory is None else sorted(
         (k, int(np.asarray(v).size)) for k, v in memory.local_state().items())
 
-    def allgather(rows: np.ndarray, name: str) -> np.ndarray:
-        return hvd.allgather(tf.constant(rows), name=name, process_set=process_set).numpy()
+    def allgather(rows: np.ndarray, name: str) -> np.ndarray:   # the integration's one Comm
+        return comm_for(process_set).allgather(rows, name)
 
     return collective_state_dict(compressor, buckets, _set_size(process_set), allgather)
 

@@ -31,7 +31,6 @@ from horovod_aq.codec import (
     PayloadError,
 )
 from horovod_aq.codec import reference as _reference
-from horovod_aq.packed.protocol import NONFINITE_MARK
 
 __all__ = ["checksum_check", "data_check", "decoder_header_check", "encoder_header_check",
            "field_value", "translate_error", "values_check"]
@@ -198,8 +197,9 @@ def data_check(rows: tf.Tensor, levels: tf.Tensor, ok: tf.Tensor, average: bool)
 def translate_error(err: tf.errors.InvalidArgumentError) -> Exception:
     """A graph assertion of the exchange as the eager API's exception (PayloadError/ValueError).
 
-    Also a ``PayloadError`` raised on the host inside the graph (``tf.numpy_function``: the data
-    checks, the fused decoder), whose message TensorFlow wraps as "PayloadError: …"."""
+    Also a ``PayloadError`` or ``NonFiniteGradientError`` raised on the host inside the graph
+    (``tf.numpy_function``: the data checks, the fused decoder, the receive decision of
+    ``horovod_aq.packed.receive``), whose message TensorFlow wraps as "PayloadError: …"."""
     raised = re.search(r"PayloadError: ([^\n]*)", err.message)
     if raised is not None:
         out = PayloadError(raised.group(1).strip())
@@ -207,6 +207,9 @@ def translate_error(err: tf.errors.InvalidArgumentError) -> Exception:
         if rank is not None:
             out.rank = int(rank.group(1))
         return out
+    raised = re.search(r"NonFiniteGradientError: ([^\n]*)", err.message)
+    if raised is not None:
+        return NonFiniteGradientError(raised.group(1).strip())
     found = re.search(r"assertion failed: (.*)", err.message)
     if found is None:
         return err
@@ -215,6 +218,4 @@ def translate_error(err: tf.errors.InvalidArgumentError) -> Exception:
     text = " ".join(p.strip() for p in parts).replace(" ;", ";").replace("\\'", "'")
     if "payload" in text and "differs" in text:
         return PayloadError(f"horovod_aq: {text}")
-    if NONFINITE_MARK in text:
-        return NonFiniteGradientError(text)
     return err

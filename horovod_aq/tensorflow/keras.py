@@ -57,31 +57,23 @@ import keras
 import tensorflow as tf
 
 from horovod_aq.compressors import NoCompression
+from horovod_aq.packed import plan as names
 from horovod_aq.packed.cost import NetworkModel
-from horovod_aq.packed.plan import op_name
+from horovod_aq.packed.plan import DEFAULT_FUSION_BYTES
 from horovod_aq.packed.protocol import check_average
 from horovod_aq.telemetry import Telemetry
 from horovod_aq.tensorflow import compat
-from horovod_aq.tensorflow.callbacks import (  # noqa: F401  (older import paths)
+from horovod_aq.tensorflow.aggregation import GradientReducer, LocalAggregation
+from horovod_aq.tensorflow.callbacks import (
     BroadcastGlobalVariablesCallback,
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
     MetricAverageCallback,
     RefitCallback,
-    _as_bytes,
-    _from_bytes,
-    _read,
     broadcast_variables,
 )
-from horovod_aq.tensorflow.callbacks import check_model as _check_model  # noqa: F401
-from horovod_aq.tensorflow.packed import (
-    DEFAULT_FUSION_BYTES,
-    GradientReducer,
-    LocalAggregation,
-    PackedExchange,
-    dense_gradient,
-    exchange_for,
-)
+from horovod_aq.tensorflow.packed import PackedExchange, exchange_for
+from horovod_aq.tensorflow.sources import dense_gradient, source_name
 from horovod_aq.tensorflow.tape import _as_layers, check_horovod_defaults, resolve_compression
 
 compat.install()
@@ -126,7 +118,7 @@ def _distributed_class(base: type, settings: _Settings) -> type:
         if s.backward_passes_per_step > 1:
             self._aq_aggregation = LocalAggregation(
                 s.backward_passes_per_step,
-                f"{op_name(s.exchange.prefix)}_opt{next(_instances)}")
+                f"{s.exchange.label}_opt{next(_instances)}")
         self._aq_prereduced = False
 
     def _aq_build(self, variables: list) -> None:
@@ -199,11 +191,14 @@ def _distributed_class(base: type, settings: _Settings) -> type:
                      else list(lso._trainable_variables))
         reduced, _ = self._aq_reducer.reduce(grads, variables, nonfinite="skip")
         finite = lso.check_finite(reduced)
-        local = [g for g, v in zip(reduced, variables)
+        local = [(i, g) for i, (g, v) in enumerate(zip(reduced, variables))
                  if g is not None and self._aq_reducer.is_local(v)]
         if local and self._aq_exchange.active:   # local gradients differ: agree on them too
-            ok = tf.cast(lso.check_finite(local), tf.int32)
-            ok = hvd.allreduce(ok, op=hvd.Min, name=f"{self._aq_exchange.prefix}.lso_finite",
+            ok = tf.cast(lso.check_finite([g for _, g in local]), tf.int32)
+            # named by content (the local variables), like every collective (docs/protocol.md §6)
+            key = names.exchange_key(self._aq_exchange.compression.name, [
+                (source_name(variables[i], i), g.shape.num_elements()) for i, g in local])
+            ok = hvd.allreduce(ok, op=hvd.Min, name=names.allreduce_name(key, "lso_finite"),
                                ignore_name_scope=True,
                                process_set=self._aq_exchange.process_set)
             finite = tf.logical_and(finite, ok > 0)

@@ -4,6 +4,8 @@ Implements ``horovod_aq.codec`` (the layout is ``codec.format``, the eight arith
 ``codec.reference``) with TensorFlow ops. Given the same uniforms the bytes equal ``codec.encode``
 and the PyTorch kernels, and each decodes the others' payloads. Everything works eagerly and inside
 ``tf.function`` (static shapes, no Python branching on tensor values).
+Bit packing is :mod:`horovod_aq.tensorflow.bits`, the random stream
+:mod:`horovod_aq.tensorflow.stream`, the shape helpers :mod:`horovod_aq.tensorflow.tensors`.
 
 Two layers:
 
@@ -51,8 +53,9 @@ import tensorflow as tf
 
 from horovod_aq import codec
 from horovod_aq.codec import HEADER_SIZE, NORM_BYTES, PayloadError
-from horovod_aq.codec.stream import UNIFORM_BITS, WORDS_PER_COUNTER, StreamKey, philox4x32
+from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels.table import LevelTable
+from horovod_aq.tensorflow.bits import pack_bits, unpack_bits
 from horovod_aq.tensorflow.checks import (
     checksum_check,
     data_check,
@@ -61,19 +64,21 @@ from horovod_aq.tensorflow.checks import (
     values_check,
 )
 from horovod_aq.tensorflow.stats import bucket_moments
+from horovod_aq.tensorflow.stream import stream_uniforms
+from horovod_aq.tensorflow.tensors import (
+    as_float32_flat,
+    next_pow2,
+    per_bucket,
+    split_buckets,
+    static_numel,
+)
 
-__all__ = ["bucket_moments", "bucket_norms", "bucket_stats", "decode", "decode_average",
+__all__ = ["bucket_moments", "bucket_norms", "decode", "decode_average",
            "decode_average_with", "decode_with", "decoder_header_check", "encode", "encode_with",
            "header_tensor", "levels_tensor", "quantize", "stream_uniforms"]
 
-#: The former name of ``bucket_moments`` (kept for callers; same function).
-bucket_stats = bucket_moments
-
 if sys.byteorder != "little":  # pragma: no cover - tf.bitcast uses the host byte order
     raise ImportError("horovod_aq.tensorflow.kernels assumes a little-endian host")
-
-_FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-
 
 # ---------------------------------------------------------------------------- small helpers
 
@@ -92,51 +97,12 @@ def header_tensor(numel: int, table: LevelTable, bucket_size: int, norm: str) ->
     return tf.constant(np.frombuffer(raw, dtype=np.uint8))
 
 
-def _static_numel(x: tf.Tensor, what: str = "x") -> int:
-    n = x.shape.num_elements()
-    if n is None:
-        raise ValueError(f"{what} needs a fully defined static shape, got {x.shape}; give the "
-                         "tf.function an input_signature with static shapes")
-    return int(n)
-
-
-def _as_float32_flat(x: Any) -> tf.Tensor:
-    x = tf.convert_to_tensor(x)
-    if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"expected a floating-point gradient, got dtype {x.dtype.name}")
-    _static_numel(x)
-    return tf.cast(tf.reshape(x, [-1]), tf.float32)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _split_buckets(flat: tf.Tensor, n: int, bucket_size: int) -> list[tuple[tf.Tensor, int]]:
-    """[(rows, first bucket)]: the full buckets as a [k, B] matrix, the partial tail as [1, B']."""
-    full_buckets = n // bucket_size
-    full = full_buckets * bucket_size
-    parts = []
-    if full_buckets:
-        parts.append((tf.reshape(flat[:full], [full_buckets, bucket_size]), 0))
-    if full < n:
-        parts.append((tf.reshape(flat[full:], [1, n - full]), full_buckets))
-    return parts
-
-
-def _per_bucket(op, flat: tf.Tensor, per_bucket: tf.Tensor, n: int, bucket_size: int):
-    """op(flat_i, per_bucket[bucket(i)]) with static shapes, flattened."""
-    outs = [tf.reshape(op(rows, per_bucket[first : first + rows.shape[0], None]), [-1])
-            for rows, first in _split_buckets(flat, n, bucket_size)]
-    return outs[0] if len(outs) == 1 else tf.concat(outs, axis=0)
-
-
 # ---------------------------------------------------------------------------------- norms
 
 
 def _l2_rows(rows: tf.Tensor) -> tf.Tensor:
     """float32(sqrt(pairwise float64 sum of squares)) per row (codec step 2)."""
-    width = _next_pow2(rows.shape[1])
+    width = next_pow2(rows.shape[1])
     if width != rows.shape[1]:
         rows = tf.pad(rows, [[0, 0], [0, width - rows.shape[1]]])
     acc = tf.square(tf.cast(rows, tf.float64))
@@ -151,38 +117,19 @@ def _norms(flat: tf.Tensor, n: int, bucket_size: int, norm: str) -> tf.Tensor:
         return tf.zeros([0], tf.float32)
     parts = [
         tf.reduce_max(tf.abs(rows), axis=1) if norm == "linf" else _l2_rows(rows)
-        for rows, _ in _split_buckets(flat, n, bucket_size)
+        for rows, _ in split_buckets(flat, n, bucket_size)
     ]
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
 
 
 def bucket_norms(x: Any, bucket_size: int, norm: str = "l2") -> tf.Tensor:
     """float32 norm of every bucket (``codec.bucket_norms``). No validation."""
-    flat = _as_float32_flat(x)
-    return _norms(flat, _static_numel(flat), codec.check_bucket_size(bucket_size),
+    flat = as_float32_flat(x)
+    return _norms(flat, static_numel(flat), codec.check_bucket_size(bucket_size),
                   codec.check_norm(norm))
 
 
 # ----------------------------------------------------------------------------------- encode
-
-
-def stream_uniforms(n: int, key: Any, start: int = 0) -> tf.Tensor:
-    """``codec.stream_uniforms`` in TensorFlow ops (graph-safe): coordinates start … start+n−1
-    of the format's Philox stream (docs/format.md §6). ``key`` is a ``codec.StreamKey`` or its
-    ``scalars()`` (k0, k1, step, bucket, part), where the step may be an int64 tensor (a
-    variable read inside a traced step: no retrace per step)."""
-    if n == 0:
-        return tf.zeros([0], tf.float32)
-    k0, k1, step, bucket, part = key.scalars() if isinstance(key, StreamKey) else key
-    first, last = start // WORDS_PER_COUNTER, (start + n - 1) // WORDS_PER_COUNTER
-    c0 = tf.range(first, last + 1, dtype=tf.int64)
-    c1, c2, c3 = (tf.fill(tf.shape(c0), tf.cast(c, tf.int64) & 0xFFFFFFFF)
-                  for c in (step, bucket, part))
-    words = philox4x32((c0, c1, c2, c3), (k0, k1), rshift=tf.bitwise.right_shift)
-    flat = tf.reshape(tf.stack(words, axis=1), [-1])
-    offset = start - first * WORDS_PER_COUNTER
-    top = tf.bitwise.right_shift(flat[offset:offset + n], 32 - UNIFORM_BITS)
-    return tf.cast(top, tf.float32) * (2.0 ** -UNIFORM_BITS)
 
 
 #: "auto": on a machine without a GPU, keyed encodes and decode_average run the compiled CPU
@@ -259,43 +206,10 @@ def _round(r: tf.Tensor, u: tf.Tensor, levels: tf.Tensor) -> tf.Tensor:
     return j + tf.cast(u < xi, tf.int32)
 
 
-def _word(bits: int):
-    return (tf.int32, 4) if bits <= 4 else (tf.int64, 8)
-
-
-def _pack(codes: tf.Tensor, n: int, bits: int) -> tf.Tensor:
-    """LSB-first bit packing of n int32 codes into ⌈n·bits/8⌉ bytes (codec step 5)."""
-    nbytes = codec.packed_size(n, bits)
-    if bits == 8:
-        return tf.cast(codes, tf.uint8)
-    groups = -(-n // 8)
-    dtype, _ = _word(bits)
-    grouped = tf.reshape(tf.pad(codes, [[0, groups * 8 - n]]), [groups, 8])
-    shifts = tf.constant(np.arange(8) * bits, dtype=dtype)
-    words = tf.reduce_sum(tf.bitwise.left_shift(tf.cast(grouped, dtype), shifts), axis=1)
-    stream = tf.reshape(tf.bitcast(words, tf.uint8)[:, :bits], [-1])
-    return stream[:nbytes]
-
-
-def _unpack(stream: tf.Tensor, n: int, bits: int) -> tf.Tensor:
-    """The n int32 codes of a packed stream of ⌈n·bits/8⌉ bytes."""
-    if bits == 8:
-        return tf.cast(stream, tf.int32)
-    groups = -(-n // 8)
-    dtype, word_bytes = _word(bits)
-    padded = tf.pad(stream, [[0, groups * bits - codec.packed_size(n, bits)]])
-    padded = tf.pad(tf.reshape(padded, [groups, bits]), [[0, 0], [0, word_bytes - bits]])
-    words = tf.bitcast(padded, dtype)[:, None]
-    shifts = tf.constant(np.arange(8) * bits, dtype=dtype)
-    codes = tf.bitwise.bitwise_and(tf.bitwise.right_shift(words, shifts),
-                                   tf.constant((1 << bits) - 1, dtype=dtype))
-    return tf.cast(tf.reshape(codes, [-1])[:n], tf.int32)
-
-
 def _quantize_codes(x, levels_f32, *, bucket_size, norm, uniforms, seed, check, extra_deps,
                     key=None):
-    flat = _as_float32_flat(x)
-    n = _static_numel(flat)
+    flat = as_float32_flat(x)
+    n = static_numel(flat)
     bucket_size = codec.check_bucket_size(bucket_size)
     norm = codec.check_norm(norm)
     levels = tf.cast(tf.convert_to_tensor(levels_f32), tf.float32)
@@ -306,7 +220,7 @@ def _quantize_codes(x, levels_f32, *, bucket_size, norm, uniforms, seed, check, 
         if n == 0:
             return tf.zeros([0], tf.int32), norms, n
         safe = tf.where(norms == 0, tf.ones_like(norms), norms)  # zero bucket: 0 / 1 = 0
-        r = tf.clip_by_value(_per_bucket(tf.math.truediv, flat, safe, n, bucket_size), -1.0, 1.0)
+        r = tf.clip_by_value(per_bucket(tf.math.truediv, flat, safe, n, bucket_size), -1.0, 1.0)
         return _round(r, u, levels), tf.identity(norms), n
 
 
@@ -346,8 +260,8 @@ def encode_with(
     norm = codec.check_norm(norm)
     header_u8 = tf.convert_to_tensor(header_u8, dtype=tf.uint8)
     levels = tf.cast(tf.convert_to_tensor(levels_f32), tf.float32)
-    flat = _as_float32_flat(x)
-    n = _static_numel(flat)
+    flat = as_float32_flat(x)
+    n = static_numel(flat)
     header_checks = (encoder_header_check(header_u8, levels, n, bits, bucket_size, norm)
                      if check else [])
     if key is not None and uniforms is None and use_fused():
@@ -359,7 +273,7 @@ def encode_with(
                                       uniforms=uniforms, seed=seed, check=check,
                                       extra_deps=header_checks, key=key)
     payload = tf.concat([header_u8, tf.reshape(tf.bitcast(norms, tf.uint8), [-1]),
-                         _pack(codes, n, bits)], axis=0)
+                         pack_bits(codes, n, bits)], axis=0)
     return _seal(payload) if checksum else payload
 
 
@@ -383,13 +297,13 @@ def _dequantize(row: tf.Tensor, lookup: tf.Tensor, n: int, bits: int, bucket_siz
     nb = codec.num_buckets(n, bucket_size)
     codes_at = HEADER_SIZE + NORM_BYTES * nb
     norms = tf.bitcast(tf.reshape(row[HEADER_SIZE:codes_at], [nb, NORM_BYTES]), tf.float32)
-    codes = _unpack(row[codes_at:], n, bits)
+    codes = unpack_bits(row[codes_at:], n, bits)
     ok = tf.reduce_all(tf.math.is_finite(norms) & (norms >= 0))
     if num_levels is not None:
         ok = ok & (tf.reduce_max(codes) < num_levels)
     values = tf.gather(lookup, codes)
     # min(B, n): the same buckets (B > n is one bucket of n elements)
-    return _per_bucket(tf.math.multiply, values, norms, n, min(bucket_size, n)), ok
+    return per_bucket(tf.math.multiply, values, norms, n, min(bucket_size, n)), ok
 
 
 def _code_limit(levels_f32: Any, bits: int) -> tf.Tensor | None:
@@ -533,7 +447,7 @@ def decode_average_with(
 
 def _eager_check_values(flat: tf.Tensor, bucket_size: int, norm: str) -> tf.Tensor:
     """Host-side validation in eager mode, with the numpy codec's messages."""
-    norms = _norms(flat, _static_numel(flat), bucket_size, norm)
+    norms = _norms(flat, static_numel(flat), bucket_size, norm)
     if not bool(tf.reduce_all(tf.math.is_finite(flat))):
         codec.check_finite(flat.numpy())  # raises the non-finite message
     if not bool(tf.reduce_all(tf.math.is_finite(norms))):
@@ -557,8 +471,8 @@ def encode(
     table = codec.as_table(levels)
     bucket_size = codec.check_bucket_size(bucket_size)
     norm = codec.check_norm(norm)
-    flat = _as_float32_flat(x)
-    n = _static_numel(flat)
+    flat = as_float32_flat(x)
+    n = static_numel(flat)
     eager = tf.executing_eagerly()
     if eager:
         _eager_check_values(flat, bucket_size, norm)
@@ -584,8 +498,8 @@ def quantize(
     table = codec.as_table(levels)
     bucket_size = codec.check_bucket_size(bucket_size)
     norm = codec.check_norm(norm)
-    flat = _as_float32_flat(x)
-    n = _static_numel(flat)
+    flat = as_float32_flat(x)
+    n = static_numel(flat)
     eager = tf.executing_eagerly()
     if eager:
         _eager_check_values(flat, bucket_size, norm)
@@ -597,7 +511,7 @@ def quantize(
     if n == 0:
         return tf.zeros([0], dtype)
     values = tf.gather(_lookup(levels_tensor(table), table.bits), codes)
-    return tf.cast(_per_bucket(tf.math.multiply, values, norms, n, bucket_size), dtype)
+    return tf.cast(per_bucket(tf.math.multiply, values, norms, n, bucket_size), dtype)
 
 
 def _eager_headers(rows: tf.Tensor, table, numel, bucket_size, norm,

@@ -67,7 +67,7 @@ from horovod_aq.backend import horovod_world
 from horovod_aq.codec import TABLE_ID_SLICE
 from horovod_aq.compressors import Compressor, seed_for_rank
 from horovod_aq.levels.table import LevelTable
-from horovod_aq.tensorflow.stats import graph_bucket_stats, graph_normalized_histogram
+from horovod_aq.tensorflow.stats import graph_bucket_moments, graph_normalized_histogram
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class StatsSlot:
         bucket_size = self.state.quantizer.bucket_size
 
         def write() -> tf.Tensor:
-            norms, means, stds = graph_bucket_stats(flat, bucket_size)
+            norms, means, stds = graph_bucket_moments(flat, bucket_size)
             ops = [self.norms.assign(norms), self.means.assign(means), self.stds.assign(stds)]
             if self.histogram is not None:
                 ops.append(self.histogram.assign(graph_normalized_histogram(flat, bucket_size)))

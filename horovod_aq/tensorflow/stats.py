@@ -2,7 +2,7 @@
 
 :func:`bucket_moments` is the TensorFlow version of ``horovod_aq.levels.stats.bucket_moments``
 (same definition, float64, eager; re-exported by ``horovod_aq.tensorflow.kernels``).
-:func:`graph_bucket_stats` and :func:`graph_normalized_histogram` are the graph-safe versions
+:func:`graph_bucket_moments` and :func:`graph_normalized_histogram` are the graph-safe versions
 the traced exchange writes into its statistics slots (``horovod_aq.tensorflow.state``);
 :func:`aggregate_sum_sq` is DQSGD's rank-identical Σ‖decoded aggregate‖² (docs/protocol.md §13).
 """
@@ -15,8 +15,9 @@ import numpy as np
 import tensorflow as tf
 
 from horovod_aq import codec
+from horovod_aq.tensorflow.tensors import as_float32_flat, static_numel
 
-__all__ = ["aggregate_sum_sq", "bucket_moments", "graph_bucket_stats",
+__all__ = ["aggregate_sum_sq", "bucket_moments", "graph_bucket_moments",
            "graph_normalized_histogram"]
 
 
@@ -26,11 +27,9 @@ def bucket_moments(x: Any, bucket_size: int) -> tuple[np.ndarray, np.ndarray, np
     Same definition as ``horovod_aq.levels.stats.bucket_moments`` (u = v/‖v‖₂, std with
     ddof = 1), computed with TF ops; only the three result vectors are copied to the host.
     """
-    from horovod_aq.tensorflow.kernels import _as_float32_flat, _static_numel  # imports us
-
     bucket_size = codec.check_int("bucket_size", bucket_size, 2, codec.MAX_BUCKET_SIZE)
-    flat = tf.cast(_as_float32_flat(x), tf.float64)
-    full_buckets = _static_numel(flat) // bucket_size
+    flat = tf.cast(as_float32_flat(x), tf.float64)
+    full_buckets = static_numel(flat) // bucket_size
     rows = tf.reshape(flat[: full_buckets * bucket_size], [full_buckets, bucket_size])
     norms = tf.sqrt(tf.reduce_sum(tf.square(rows), axis=1))
     keep = norms > 0
@@ -40,7 +39,8 @@ def bucket_moments(x: Any, bucket_size: int) -> tuple[np.ndarray, np.ndarray, np
     return tf.boolean_mask(norms, keep).numpy(), means.numpy(), tf.sqrt(var).numpy()
 
 
-def graph_bucket_stats(flat: tf.Tensor, bucket_size: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+def graph_bucket_moments(flat: tf.Tensor,
+                         bucket_size: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """(norms, means, stds) in float64 of EVERY full bucket of a flat tensor, graph-safe.
 
     Same definition as :func:`bucket_moments` (u = v/‖v‖₂, std with divisor B − 1) except that

@@ -147,6 +147,3 @@ def _observe_aggregates(compressor: Any, exchanges: list) -> None:
         if total > 0.0:
             compressor.observe_aggregate(np.array([math.sqrt(total)], dtype=np.float64))
 
-
-#: The name the packed integrations use for the same thing.
-end_step = refit

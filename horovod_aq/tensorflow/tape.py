@@ -64,17 +64,12 @@ import tensorflow as tf
 
 from horovod_aq.compressors import FP16, Compressor, NoCompression
 from horovod_aq.packed.cost import NetworkModel
+from horovod_aq.packed.plan import DEFAULT_FUSION_BYTES
 from horovod_aq.packed.protocol import check_average
 from horovod_aq.telemetry import Telemetry
 from horovod_aq.tensorflow import compat
-from horovod_aq.tensorflow.packed import (
-    DEFAULT_FUSION_BYTES,
-    GradientReducer,
-    LocalAggregation,
-    PackedExchange,
-    aggregation_for,
-    exchange_for,
-)
+from horovod_aq.tensorflow.aggregation import GradientReducer, LocalAggregation, aggregation_for
+from horovod_aq.tensorflow.packed import PackedExchange, exchange_for
 
 compat.install()
 

@@ -70,12 +70,9 @@ from horovod_aq.torch.payload import (
 )
 from horovod_aq.torch.stats import bucket_moments, normalized_histogram
 
-__all__ = ["bucket_moments", "bucket_norms", "bucket_stats", "decode", "decode_average", "encode",
+__all__ = ["bucket_moments", "bucket_norms", "decode", "decode_average", "encode",
            "first_nonfinite", "normalized_histogram", "pack_bits", "quantize", "stream_uniforms",
            "unpack_bits"]
-
-#: The former name of ``bucket_moments`` (kept for callers; same function).
-bucket_stats = bucket_moments
 
 #: Work on about this many elements at a time (rounded to whole buckets and groups of 8 codes),
 #: so that the float64 and index temporaries of one chunk stay in the CPU caches.
