@@ -29,6 +29,7 @@ from horovod_aq import codec
 from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels import LevelTable
 from horovod_aq.packed.cost import chunk_numel
+from tests import launches
 
 pytestmark = pytest.mark.multiprocess
 
@@ -408,16 +409,22 @@ CHECKS = {
 }
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"gloo-{p}")
+#: the launch fixture's params (ranks) -> the checks that launch runs (tests/launches.py)
+LAUNCHES = {"results": CHECKS}
+
+
+@pytest.fixture(scope="module", params=list(CHECKS), ids=lambda p: f"gloo-{p}")
 def results(request):
     return request.param, launch(CHECKS[request.param], request.param)
 
 
+def _outcomes(results, check) -> list:
+    """Every rank's raw outcome of ``check``: ("ok", value, s) or ("error", type, message, …)."""
+    return results[1][launches.read(check)]
+
+
 def _get(results, check):
-    world, res = results
-    if check not in res:
-        pytest.skip(f"{check} is not part of the {world}-rank launch")
-    return _ok(res, check)
+    return _ok(results[1], launches.read(check))
 
 
 def _variant(results, base):
@@ -526,6 +533,8 @@ def test_alq_trains_like_fp32(results):
         assert np.mean(losses[-5:]) < np.mean(ref[-5:]) + 0.25
 
 
+@pytest.mark.reads("quantized_training[ecq]", "quantized_training[dqsgd]",
+                   "quantized_training[fp16]")
 def test_error_feedback_dqsgd_and_fp16_hooks_train(results):
     for check in ("quantized_training[ecq]", "quantized_training[dqsgd]",
                   "quantized_training[fp16]"):
@@ -551,6 +560,7 @@ def test_state_dict_resume_is_bit_exact(results):
         assert r["first_units"][:len(r["layout"])] == r["layout"]
 
 
+@pytest.mark.reads("skip_nonfinite")
 def test_nonfinite_skip_on_every_rank(results):
     ranks = _get(results, "skip_nonfinite")
     for r in ranks:
@@ -561,19 +571,16 @@ def test_nonfinite_skip_on_every_rank(results):
         assert r["telemetry"][0]["extra"].get("skipped") == 1.0
 
 
+@pytest.mark.reads("mismatch")
 def test_settings_mismatch_fails_everywhere(results):
-    world, res = results
-    if "mismatch" not in res:
-        pytest.skip("2-rank launch only")
-    outcomes = res["mismatch"]
+    outcomes = _outcomes(results, "mismatch")
     assert all(o[0] == "error" and o[1] == "ConfigMismatchError" for o in outcomes), outcomes
     assert len({o[2] for o in outcomes}) == 1            # the same message everywhere
     assert "bits 3" in outcomes[0][2] and "bits 4" in outcomes[0][2]
 
 
 def test_nonfinite_raises_on_every_rank(results):
-    world, res = results
-    outcomes = res["raise_nonfinite"]
+    outcomes = _outcomes(results, "raise_nonfinite")
     assert all(o[0] == "error" and o[1] == "NonFiniteGradientError" for o in outcomes), outcomes
     assert len({o[2] for o in outcomes}) == 1
     assert "on rank 1" in outcomes[0][2] and "'2.weight'" in outcomes[0][2]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from horovod_aq.tools.launcher import run_local
+from tests import launches
 from tests.ranks import init_tf, init_torch
 
 pytestmark = pytest.mark.multiprocess
@@ -85,16 +86,22 @@ TORCH_CHECKS = [torch_allreduce, torch_allgather_uint8, torch_alltoall]
 TF_CHECKS = [tf_allreduce, tf_allgather_uint8, tf_alltoall]
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
+#: controller -> the checks each launch runs (tests/launches.py); mpi4py shares Horovod's
+#: communicator only under the MPI controller
+LAUNCHES = {"torch_launch": {"gloo": TORCH_CHECKS, "mpi": TORCH_CHECKS + [torch_mpi4py_ranks]},
+            "tf_launch": {"gloo": TF_CHECKS, "mpi": TF_CHECKS + [tf_mpi4py_ranks]}}
+
+
+@pytest.fixture(scope="module", params=list(LAUNCHES["torch_launch"]))
 def torch_launch(request):
-    checks = TORCH_CHECKS + ([torch_mpi4py_ranks] if request.param == "mpi" else [])
-    return run_local(checks, np=NP, controller=request.param, timeout=300)
+    return run_local(LAUNCHES["torch_launch"][request.param], np=NP, controller=request.param,
+                     timeout=300)
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
+@pytest.fixture(scope="module", params=list(LAUNCHES["tf_launch"]))
 def tf_launch(request):
-    checks = TF_CHECKS + ([tf_mpi4py_ranks] if request.param == "mpi" else [])
-    return run_local(checks, np=NP, controller=request.param, timeout=300)
+    return run_local(LAUNCHES["tf_launch"][request.param], np=NP, controller=request.param,
+                     timeout=300)
 
 
 EXPECTED_SUM = [0.0, 3.0, 6.0, 9.0, 12.0]  # x·1 + x·2 for x = 0..4
@@ -119,10 +126,9 @@ def test_torch_alltoall(torch_launch):
     assert torch_launch.get(torch_alltoall) == EXPECTED_A2A
 
 
+@pytest.mark.reads("torch_mpi4py_ranks")
 def test_torch_mpi4py_sees_horovod_ranks(torch_launch):
-    if torch_launch.controller != "mpi":
-        pytest.skip("mpi4py shares the communicator only under the MPI controller")
-    for out in torch_launch.get(torch_mpi4py_ranks):
+    for out in torch_launch.get(launches.read(torch_mpi4py_ranks)):
         assert out["mpi_enabled"]
         assert (out["mpi_rank"], out["mpi_size"]) == (out["hvd_rank"], out["hvd_size"])
 
@@ -142,8 +148,7 @@ def test_tf_alltoall(tf_launch):
     assert tf_launch.get(tf_alltoall) == EXPECTED_A2A
 
 
+@pytest.mark.reads("tf_mpi4py_ranks")
 def test_tf_mpi4py_sees_horovod_ranks(tf_launch):
-    if tf_launch.controller != "mpi":
-        pytest.skip("mpi4py shares the communicator only under the MPI controller")
-    for out in tf_launch.get(tf_mpi4py_ranks):
+    for out in tf_launch.get(launches.read(tf_mpi4py_ranks)):
         assert (out["mpi_rank"], out["mpi_size"]) == (out["hvd_rank"], out["hvd_size"])

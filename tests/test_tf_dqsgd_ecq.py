@@ -14,6 +14,7 @@ import pytest
 
 from horovod_aq import codec
 from horovod_aq.tools.launcher import run_local
+from tests import launches
 from tests.ranks import init_tf
 from tests.test_tf_packed import (
     BUCKET,
@@ -317,15 +318,17 @@ CHECKS = {"gloo": [dqsgd_allgather, dqsgd_width_mismatch, ecq_allgather, ecq_che
           "mpi": [dqsgd_alq_two_phase, ecq_two_phase, ecq_dqsgd]}
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"], ids=lambda c: f"{c}-2")
+#: controller -> the checks its launch runs (tests/launches.py)
+LAUNCHES = {"launch": CHECKS}
+
+
+@pytest.fixture(scope="module", params=list(CHECKS), ids=lambda c: f"{c}-2")
 def launch(request):
     return run_local(CHECKS[request.param], np=2, controller=request.param, timeout=600)
 
 
 def _get(launch, check):
-    if check.__name__ not in launch.outcomes:
-        pytest.skip(f"{check.__name__} does not run under {launch.controller}")
-    return launch.get(check)
+    return launch.get(launches.read(check))
 
 
 def _step_view(result, step):
@@ -370,6 +373,7 @@ def test_dqsgd_widths_agree_change_and_never_retrace(launch, check):
     assert all(len(s) == 1 for s in sizes.values())
 
 
+@pytest.mark.reads("dqsgd_width_mismatch")
 def test_dqsgd_other_width_is_refused(launch):
     for message in _get(launch, dqsgd_width_mismatch):
         assert message.startswith("InvalidArgumentError"), message
@@ -418,6 +422,7 @@ def test_ecq_in_function_follows_the_rules(launch, check):
         oracle([_step_view(r, step) for r in results], tables[step])
 
 
+@pytest.mark.reads("ecq_checkpoint")
 def test_ecq_checkpoint_round_trip(launch):
     for r in _get(launch, ecq_checkpoint):
         assert r["world"] == 2 and r["ranks"] == [0, 1]
@@ -430,12 +435,14 @@ def test_ecq_checkpoint_round_trip(launch):
                    for m in r["warnings"]), r["warnings"]
 
 
+@pytest.mark.reads("ecq_nonfinite_skip")
 def test_ecq_skipped_step_updates_no_memory(launch):
     for r in _get(launch, ecq_nonfinite_skip):
         assert r["nan"] and r["skipped"] == [0.0, 1.0, 0.0], r
         assert r["kept"] and r["updated"], r
 
 
+@pytest.mark.reads("keras_fit_ecq")
 def test_keras_fit_with_ecq_trains(launch):
     r0, r1 = _get(launch, keras_fit_ecq)
     for a, b in zip(r0["weights"], r1["weights"]):

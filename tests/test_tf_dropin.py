@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from horovod_aq.tools.launcher import run_local
+from tests import launches
 from tests.ranks import init_tf
 
 pytestmark = pytest.mark.multiprocess
@@ -344,15 +345,17 @@ CHECKS = {"gloo": [snippet_stock, snippet_tape, snippet_fit, snippet_mixed_preci
           "mpi": [snippet_stock, snippet_tape, snippet_mixed_precision]}
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"], ids=lambda c: f"{c}-2")
+#: controller -> the checks its launch runs (tests/launches.py)
+LAUNCHES = {"launch": CHECKS}
+
+
+@pytest.fixture(scope="module", params=list(CHECKS), ids=lambda c: f"{c}-2")
 def launch(request):
     return run_local(CHECKS[request.param], np=2, controller=request.param, timeout=600)
 
 
 def _get(launch, check):
-    if check.__name__ not in launch.outcomes:
-        pytest.skip(f"{check.__name__} runs under Gloo only")
-    return launch.get(check)
+    return launch.get(launches.read(check))
 
 
 def _same(a, b):
@@ -375,6 +378,7 @@ def test_tape_snippet(launch):
     assert r0["steps"] == 8 and r0["version"] == 1 and r0["traces"] == 1
 
 
+@pytest.mark.reads("snippet_fit")
 def test_fit_snippet(launch):
     r0, r1 = _get(launch, snippet_fit)
     _same(r0["weights"], r1["weights"])
@@ -388,6 +392,7 @@ def test_mixed_precision_snippet(launch):
     assert r0["steps"] == 8
 
 
+@pytest.mark.reads("snippet_aggregation")
 def test_aggregation_snippet(launch):
     r0, r1 = _get(launch, snippet_aggregation)
     _same(r0["weights"], r1["weights"])
@@ -395,11 +400,13 @@ def test_aggregation_snippet(launch):
     assert r0["lr"] == pytest.approx(0.2)                     # warmup reached initial_lr
 
 
+@pytest.mark.reads("horovod_keras_optimizer_under_keras3")
 def test_horovods_keras_optimizer_does_not_average_under_keras3(launch):
     r0, r1 = _get(launch, horovod_keras_optimizer_under_keras3)
     assert any(not np.array_equal(a, b) for a, b in zip(r0, r1))
 
 
+@pytest.mark.reads("stock_sparse_as_dense")
 def test_stock_sparse_as_dense(launch):
     r0, r1 = _get(launch, stock_sparse_as_dense)
     for mode in ("eager", "function"):
@@ -408,12 +415,14 @@ def test_stock_sparse_as_dense(launch):
         assert r0[mode]["steps"] == 3 and r0[mode]["version"] == 2, r0[mode]
 
 
+@pytest.mark.reads("example_tensorflow_mnist_stock")
 def test_tensorflow_mnist_example_stock_path(launch):
     r0, _ = _get(launch, example_tensorflow_mnist_stock)
     assert r0["exchange"] == "stock" and r0["test_acc"] > 0.3
     assert r0["bits_per_coordinate"] == 16.0
 
 
+@pytest.mark.reads("horovod_style_script")
 def test_horovod_style_script(launch):
     r0, r1 = _get(launch, horovod_style_script)
     _same(r0["weights"], r1["weights"])

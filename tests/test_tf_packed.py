@@ -16,6 +16,7 @@ from horovod_aq import codec
 from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels.stats import bucket_moments, normalized_histogram
 from horovod_aq.tools.launcher import run_local
+from tests import launches
 from tests.ranks import init_tf
 
 pytestmark = pytest.mark.multiprocess
@@ -947,20 +948,22 @@ FEATURE_CHECKS = {"gloo": [mixed_precision_overflow, embedding_text_model, gradi
                   "mpi": [mixed_precision_overflow, gradient_aggregation]}
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"], ids=lambda c: f"{c}-2")
+#: fixture -> controller -> the checks its launch runs (tests/launches.py)
+LAUNCHES = {"launch": CHECKS, "features": FEATURE_CHECKS}
+
+
+@pytest.fixture(scope="module", params=list(CHECKS), ids=lambda c: f"{c}-2")
 def launch(request):
     return run_local(CHECKS[request.param], np=2, controller=request.param, timeout=900)
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"], ids=lambda c: f"{c}-2")
+@pytest.fixture(scope="module", params=list(FEATURE_CHECKS), ids=lambda c: f"{c}-2")
 def features(request):
     return run_local(FEATURE_CHECKS[request.param], np=2, controller=request.param, timeout=600)
 
 
 def _get(launch, check):
-    if check.__name__ not in launch.outcomes:
-        pytest.skip(f"{check.__name__} runs under Gloo only")
-    return launch.get(check)
+    return launch.get(launches.read(check))
 
 
 # ---------------------------------------------------------------- oracle helpers (in pytest)
@@ -1097,6 +1100,7 @@ def test_refit_tables_identical_without_retrace(launch):
     assert {r["comm"] for r in results} == {expected_comm}
 
 
+@pytest.mark.reads("checkpoint_resume")
 def test_checkpoint_resume_is_exact(launch):
     for r in _get(launch, checkpoint_resume):
         # the exchange at step 2 ended that step by itself (docs/protocol.md §14)
@@ -1104,6 +1108,7 @@ def test_checkpoint_resume_is_exact(launch):
         assert r["identical"]
 
 
+@pytest.mark.reads("stock_tape")
 def test_stock_tape_quantizes_and_refits(launch):
     results = _get(launch, stock_tape)
     assert results[0]["versions"] == [1, 2]
@@ -1137,6 +1142,7 @@ def test_nonfinite_gradient_fails_on_every_rank(launch):
         # source of its bucket (the message text is packed.protocol.nonfinite_message's)
 
 
+@pytest.mark.reads("nonfinite_skip")
 def test_nonfinite_skip_skips_on_every_rank(launch):
     for r in _get(launch, nonfinite_skip):
         assert r["grads_nan"] and r["skipped"] == 1.0
@@ -1171,10 +1177,10 @@ def _mean_losses(launch, pair):
 PAIRS = [(keras_fit_fp32, keras_fit_alq), (custom_loop_fp32, custom_loop_alq)]
 
 
+# Gloo only: MPI runs one seed of ALQ and no fp32 (a smoke run); the 5 % bound is on the 3-seed mean
+@pytest.mark.launches("gloo")
 @pytest.mark.parametrize("pair", PAIRS, ids=["fit", "loop"])
 def test_alq_loss_within_5_percent_of_fp32(launch, pair):
-    if launch.controller == "mpi":
-        pytest.skip("one seed under MPI (a smoke run); the 5 % bound is on the 3-seed mean")
     reference, loss = _mean_losses(launch, pair)
     assert loss <= 1.05 * reference, (loss, reference)   # ALQ may not be >5 % worse than fp32
 
@@ -1199,6 +1205,7 @@ def test_features_mixed_precision_overflow_is_skipped_on_every_rank(features):
     _same_weights(results[0]["weights"], results[1]["weights"])
 
 
+@pytest.mark.reads("embedding_text_model")
 def test_features_embedding_text_model_trains_on_every_path(features):
     r0, r1 = _get(features, embedding_text_model)
     assert set(r0) == {"fit", "fit_mixed_float16", "tape_function", "tape_eager"}
@@ -1239,6 +1246,7 @@ def test_features_gradient_aggregation_has_horovods_semantics(features):
     _same_weights(fit["weights"], r1["fit"]["weights"])
 
 
+@pytest.mark.reads("optimizer_copies")
 def test_features_optimizer_copies_and_saved_models(features):
     r0, r1 = _get(features, optimizer_copies)
     # two SGD(0.1, momentum=0.9) steps with the average gradient 1.5 from 1.0
@@ -1255,6 +1263,7 @@ def test_features_optimizer_copies_and_saved_models(features):
     _same_weights(r0["loaded"]["weights"], r1["loaded"]["weights"])
 
 
+@pytest.mark.reads("local_sources")
 def test_features_local_sources_are_not_averaged(features):
     r0, r1 = _get(features, local_sources)
     coef = [1.0, 2.0]
@@ -1290,6 +1299,7 @@ def test_features_local_sources_are_not_averaged(features):
     _same_weights(w0[2:], w1[2:])                                                   # broadcast
 
 
+@pytest.mark.reads("lr_callbacks")
 def test_features_learning_rate_callbacks(features):
     r0, r1 = _get(features, lr_callbacks)
     assert r0["warmup"] == r1["warmup"] and r0["schedule"] == r1["schedule"]
@@ -1322,6 +1332,7 @@ def test_features_learning_rate_callbacks(features):
         np.testing.assert_allclose(r["momentum"]["w"], w, rtol=1e-5)
 
 
+@pytest.mark.reads("checksum_tape")
 def test_checksum_on_the_packed_tape(launch):
     for r in _get(launch, checksum_tape):
         for exchange in ("allgather", "two_phase"):

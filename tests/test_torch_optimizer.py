@@ -12,6 +12,7 @@ import pytest
 
 from horovod_aq import codec
 from horovod_aq.tools.launcher import run_local
+from tests import launches
 from tests.ranks import EncodeRecorder, init_torch, tiny_model
 
 pytestmark = pytest.mark.multiprocess
@@ -334,20 +335,21 @@ FOUR_RANK_CHECKS = [oracle_allgather, oracle_two_phase, refit_tables, process_se
                     settings_mismatch_detected]
 
 
-CHECKS = {2: TWO_RANK_CHECKS, 4: FOUR_RANK_CHECKS}
+#: (controller, ranks) -> the checks that launch runs (tests/launches.py)
+LAUNCHES = {"launch": {("gloo", 2): TWO_RANK_CHECKS, ("mpi", 2): TWO_RANK_CHECKS,
+                       ("gloo", 4): FOUR_RANK_CHECKS, ("mpi", 4): FOUR_RANK_CHECKS}}
+TWO_RANKS = [("gloo", 2), ("mpi", 2)]
 
 
-@pytest.fixture(scope="module", params=[("gloo", 2), ("mpi", 2), ("gloo", 4), ("mpi", 4)],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=list(LAUNCHES["launch"]), ids=lambda p: f"{p[0]}-{p[1]}")
 def launch(request):
     controller, ranks = request.param
-    return run_local(CHECKS[ranks], np=ranks, controller=controller, timeout=600,
-                     env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    return run_local(LAUNCHES["launch"][request.param], np=ranks, controller=controller,
+                     timeout=600, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
 
 
 def _get(launch, check):
-    if check.__name__ not in launch.outcomes:
-        pytest.skip(f"{check.__name__} is not part of the {launch.np}-rank launch")
+    launches.read(check)
     return launch.get(check)
 
 
@@ -408,6 +410,7 @@ def test_two_phase_equals_numpy_oracle(launch):
     _assert_two_phase_oracle(results, _table(results[0]))
 
 
+@pytest.mark.reads("oracle_accumulate")
 def test_gradient_accumulation_encodes_the_local_sum(launch):
     results = _get(launch, oracle_accumulate)
     _assert_allgather_oracle(results, _table(results[0]))
@@ -418,9 +421,8 @@ def test_gradient_accumulation_encodes_the_local_sum(launch):
                 inp, np.concatenate([r["local"][n].ravel() for n in params]), rtol=0, atol=1e-7)
 
 
+@pytest.mark.launches(*TWO_RANKS)          # the byte formula below is written for P = 2
 def test_telemetry_counts_payload_bytes(launch):
-    if launch.np != 2:
-        pytest.skip("byte formula checked for 2 ranks")
     results = _get(launch, oracle_allgather)
     for r in results:
         t = r["telemetry"]
@@ -436,6 +438,7 @@ def test_telemetry_counts_payload_bytes(launch):
         assert t["extra"]["wait_s"] >= 0
 
 
+@pytest.mark.reads("unbiased_two_phase")
 def test_exchange_is_unbiased(launch):
     r0, r1 = _get(launch, unbiased_two_phase)
     np.testing.assert_array_equal(r0["mean"], r1["mean"])  # identical on every rank
@@ -457,6 +460,7 @@ def test_refit_gives_identical_tables(launch):
     assert {r["comm"] for r in results} == {expected_comm}
 
 
+@pytest.mark.reads("checkpoint_resume")
 def test_checkpoint_resume_is_exact(launch):
     for r in _get(launch, checkpoint_resume):
         assert r["same"] == (True, True, True)
@@ -464,6 +468,7 @@ def test_checkpoint_resume_is_exact(launch):
         assert r["next_step_identical"]
 
 
+@pytest.mark.reads("train_fp32", "train_alq_packed", "train_alq_stock")
 def test_training_alq_matches_fp32(launch):
     # ALQ must not lose accuracy: its mean test loss over 2 seeds may exceed fp32's by at most
     # 5 % (one seed's noise is about ±5 % here). Being better than fp32 is noise, not a failure:
@@ -487,12 +492,14 @@ def test_settings_mismatch_fails_everywhere(launch):
     assert "bits 4" in messages[0] and "bits 3" in messages[0]
 
 
+@pytest.mark.reads("version_mismatch_refused")
 def test_other_table_version_is_refused(launch):
     messages = _get(launch, version_mismatch_refused)
     for m in messages:
         assert "PayloadError" in m and "level-table version" in m, m
 
 
+@pytest.mark.reads("process_sets_split")
 def test_process_sets(launch):
     results = _get(launch, process_sets_split)
     table = _table(results[0])
@@ -504,6 +511,7 @@ def test_process_sets(launch):
     assert any(not np.array_equal(g0[k], results[2]["grads"][k]) for k in g0)
 
 
+@pytest.mark.reads("dqsgd_bits_agree")
 def test_dqsgd_bits_agree_across_ranks(launch):
     results = _get(launch, dqsgd_bits_agree)
     bits = results[0]["bits"]
@@ -514,6 +522,7 @@ def test_dqsgd_bits_agree_across_ranks(launch):
         assert r["telemetry_bits"] == bits
 
 
+@pytest.mark.reads("ecq_packed")
 def test_ecq_on_the_packed_path(launch):
     results = _get(launch, ecq_packed)
     table = _table(results[0])
