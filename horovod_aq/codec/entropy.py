@@ -66,7 +66,7 @@ from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels.table import LevelTable
 
 __all__ = ["assemble", "decode_entropy_codes", "decode_rows_average", "encode_entropy",
-           "read_payload"]
+           "payload_rows", "read_payload", "row_bodies"]
 
 
 def encode_entropy(
@@ -157,7 +157,8 @@ def read_payload(data: np.ndarray, header: Header, table: LevelTable) -> np.ndar
     return dequantize(codes, norms, table, header.bucket_size)
 
 
-def _rows(payloads: Any) -> list[np.ndarray]:
+def payload_rows(payloads: Any) -> list[np.ndarray]:
+    """The gathered payloads as a list of 1-D uint8 rows (a [P, size] array or a list)."""
     if isinstance(payloads, np.ndarray) and payloads.ndim == 2:
         return list(payloads)
     rows = [as_bytes(p) for p in payloads] if isinstance(payloads, (list, tuple)) else []
@@ -165,6 +166,31 @@ def _rows(payloads: Any) -> list[np.ndarray]:
         raise PayloadError("decode_average needs a non-empty list of 1-D uint8 payloads or a "
                            f"[P, size] uint8 array, got {type(payloads).__name__}")
     return rows
+
+
+def row_bodies(rows: list[np.ndarray], headers: list[Any], table: LevelTable, *,
+               numel: int | None = None, bucket_size: int | None = None,
+               norm: str | None = None) -> list[Body | None]:
+    """Every row's header checked against row 0's settings (or the given ones) and its length
+    (``check_size`` / ``parse_body``); the parsed entropy body of each row (None: fixed-width).
+    Errors name the rank ("rank r: …")."""
+    first = headers[0]
+    settings = {"numel": first.numel if numel is None else numel,
+                "bucket_size": first.bucket_size if bucket_size is None else bucket_size,
+                "norm": first.norm if norm is None else norm}
+    bodies: list[Body | None] = []
+    for rank, (row, header) in enumerate(zip(rows, headers)):
+        try:
+            check_header(header, table, **settings)
+            if header.entropy:
+                bodies.append(parse_body(row, header))
+            else:
+                check_size(header, row.size)
+                bodies.append(None)
+        except (PayloadError, NonFiniteGradientError) as err:
+            tag_rank(err, rank)
+            raise
+    return bodies
 
 
 def decode_rows_average(
@@ -183,24 +209,9 @@ def decode_rows_average(
     settings (or the given ones); every row's length (``check_size`` / ``parse_body``); every
     checksum; then each row's data, in rank order."""
     table = as_table(levels)
-    rows = _rows(payloads)
+    rows = payload_rows(payloads)
     headers = parse_rows(rows)
-    first = headers[0]
-    settings = {"numel": first.numel if numel is None else numel,
-                "bucket_size": first.bucket_size if bucket_size is None else bucket_size,
-                "norm": first.norm if norm is None else norm}
-    bodies: list[Body | None] = []
-    for rank, (row, header) in enumerate(zip(rows, headers)):
-        try:
-            check_header(header, table, **settings)
-            if header.entropy:
-                bodies.append(parse_body(row, header))
-            else:
-                check_size(header, row.size)
-                bodies.append(None)
-        except (PayloadError, NonFiniteGradientError) as err:
-            tag_rank(err, rank)
-            raise
+    bodies = row_bodies(rows, headers, table, numel=numel, bucket_size=bucket_size, norm=norm)
     for rank, (row, header) in enumerate(zip(rows, headers)):
         try:
             check_checksum(row, header)

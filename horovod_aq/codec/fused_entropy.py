@@ -30,7 +30,6 @@ from horovod_aq.codec.entropy_format import (
     normalize_frequencies,
     num_blocks,
     num_symbols,
-    parse_body,
     symbol_codes,
     symbol_model,
 )
@@ -50,10 +49,8 @@ from horovod_aq.codec.format import (
     check_bool,
     check_bucket_size,
     check_checksum,
-    check_header,
     check_norm,
     check_payload_norms,
-    check_size,
     float32_levels,
     payload_size,
 )
@@ -148,7 +145,7 @@ def decode_average(payloads: Any, table: LevelTable | Any, *, dtype: Any = np.fl
     """Average of P payloads of any lengths and kinds (a list of 1-D uint8 arrays, or a
     [P, size] array), bitwise ``codec.decode_average``; into ``out`` (float32, (n,)) if given."""
     table = as_table(table)
-    rows = entropy._rows(payloads)
+    rows = entropy.payload_rows(payloads)
 
     def oracle() -> None:
         raise_like_oracle(entropy.decode_rows_average, rows, table, numel=numel,
@@ -157,17 +154,8 @@ def decode_average(payloads: Any, table: LevelTable | Any, *, dtype: Any = np.fl
     try:
         headers = parse_rows(rows)
         first = headers[0]
-        settings = {"numel": first.numel if numel is None else numel,
-                    "bucket_size": first.bucket_size if bucket_size is None else bucket_size,
-                    "norm": first.norm if norm is None else norm}
-        bodies = []
-        for row, header in zip(rows, headers):
-            check_header(header, table, **settings)
-            if header.entropy:
-                bodies.append(parse_body(row, header))
-            else:
-                check_size(header, row.size)
-                bodies.append(None)
+        bodies = entropy.row_bodies(rows, headers, table, numel=numel, bucket_size=bucket_size,
+                                    norm=norm)
         for row, header in zip(rows, headers):
             check_checksum(row, header)
         levels = float32_levels(table)
