@@ -1,26 +1,59 @@
 #!/usr/bin/env bash
-# GPU check of the Triton kernels, for a bare CUDA machine (torch with CUDA, triton, numba, scipy,
-# pytest, hypothesis; no Horovod, no TensorFlow):
-#   1. tests/test_triton_kernels.py compiled for the GPU (TRITON_INTERPRET unset): byte-exact
-#      against the numpy oracle, all bit widths, ragged buckets, fp16/bf16/fp32;
+# GPU check, for a bare CUDA machine (torch with CUDA, triton, numba, scipy, pytest, hypothesis;
+# no Horovod, no TensorFlow). One call runs every GPU-side test and throughput check:
+#   1. tests/test_triton_kernels.py and tests/test_triton_entropy.py compiled for the GPU
+#      (TRITON_INTERPRET unset): byte-exact against the numpy oracle, all bit widths, ragged
+#      buckets, fp16/bf16/fp32, the rANS entropy coder;
 #   2. benchmarks/gpu_check.py: PTX instruction check, encode/decode_average throughput against
-#      a device-to-device copy (16M and 64M float32, 2/3/4/8 bits), the rANS entropy coder
-#      (tests/test_triton_entropy.py first; 16M and 64M symbols against DietGPU's 250-410 GB/s
-#      on A100), a single-process packed step.
-# The report goes to benchmarks/results/gpu.md, or to the path given as the first argument.
-# About 4-6 minutes on one H100/H200, most of it Triton compiling the kernel variants.
+#      a device-to-device copy (16M and 64M float32, 2/3/4/8 bits), the rANS entropy coder (16M
+#      and 64M symbols, beside DietGPU's 250-410 GB/s on A100), a single-process packed step;
+#   3. benchmarks/gpu_check_ddp.py: the DDP hook over NCCL (bit-exact against the oracle,
+#      markers, step time against DDP's fp32 allreduce);
+#   4. benchmarks/kernels.py --entropy on the machine's CPU, one thread (a quiet machine: the
+#      fixed-width and entropy-coded CPU kernels, docs/format.md §12).
+# Every step runs even when an earlier one failed, each under its own time limit, so one call
+# gives every number; the exit status is 1 if any step failed. Reports go to OUTDIR (default
+# benchmarks/results): gpu.md, gpu_ddp.md, kernels_entropy_gpu_host.md, and gpu_check.log (the
+# whole output, with each step's exit status and seconds). About 5 minutes on one H200.
 #
-#     benchmarks/gpu_check.sh [REPORT.md]
-set -euo pipefail
+#     benchmarks/gpu_check.sh [OUTDIR]
+#     PYTHON=python3 benchmarks/gpu_check.sh "$OUT"      # on the device machine
+set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 unset TRITON_INTERPRET
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON=${PYTHON:-python}
+OUTDIR=${1:-benchmarks/results}
+mkdir -p "$OUTDIR"
+LOG="$OUTDIR/gpu_check.log"
+: >"$LOG"
 "$PYTHON" -c 'import sys, torch
 sys.exit(0 if torch.cuda.is_available() else
-         "no CUDA device: on CPU run python benchmarks/gpu_check.py --dry-run instead")'
+         "no CUDA device: on CPU run python benchmarks/gpu_check.py --dry-run instead")' || exit 2
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 \
+  | tee -a "$LOG"
+
+failed=()
 start=$SECONDS
-"$PYTHON" -m pytest tests/test_triton_kernels.py tests/test_triton_entropy.py -q -p no:cacheprovider
-echo "tests: $((SECONDS - start)) s"
-"$PYTHON" benchmarks/gpu_check.py --out "${1:-benchmarks/results/gpu.md}"
-"$PYTHON" benchmarks/gpu_check_ddp.py --out benchmarks/results/gpu_ddp.md
-echo "total: $((SECONDS - start)) s"
+# step NAME SECONDS COMMAND...: run COMMAND under a time limit, its output into the log
+step() {
+  local name=$1 limit=$2 began=$SECONDS rc
+  shift 2
+  echo "=== $name (limit $limit s): $*" | tee -a "$LOG"
+  timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - began)) s" | tee -a "$LOG"
+  [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
+}
+
+# (the dry run of gpu_check.py is a CPU test: the next step runs the real one)
+step triton-tests 220 "$PYTHON" -m pytest tests/test_triton_kernels.py \
+  tests/test_triton_entropy.py -q -p no:cacheprovider -o addopts= -rfE --durations=5 \
+  -k "not gpu_check_dry_run"
+step gpu-check 170 "$PYTHON" benchmarks/gpu_check.py --out "$OUTDIR/gpu.md"
+step gpu-check-ddp 90 "$PYTHON" benchmarks/gpu_check_ddp.py --out "$OUTDIR/gpu_ddp.md"
+step cpu-entropy-kernels 90 "$PYTHON" benchmarks/kernels.py --entropy --sizes 1M,16M \
+  --bits 2,3,4 --repeats 2 --output "$OUTDIR/kernels_entropy_gpu_host.md"
+
+echo "total: $((SECONDS - start)) s; failed: ${failed[*]:-none}" | tee -a "$LOG"
+[ "${#failed[@]}" -eq 0 ]

@@ -80,15 +80,10 @@ def oracle_run(torch, device, exchange, steps):
               bucket_cap_mb=0.5)
     comp = horovod_aq.ALQ(bits=3, bucket_size=BUCKET, seed=SEED, schedule="0,2,0")
     state = aqddp.register(net, comp, exchange=exchange)
-    log, submit = [], state.wire.submit
+    from tests.ranks import record_ddp_submits
 
-    def recorded(unit, raw):
-        log.append({"index": unit.index, "mode": unit.mode, "names": list(unit.names),
-                    "raw": raw.detach().cpu().numpy().copy(), "step": comp.step,
-                    "levels": comp.table.levels.copy(), "version": comp.table.version,
-                    "norm": comp.norm})
-        submit(unit, raw)
-    state.wire.submit = recorded
+    log = []
+    record_ddp_submits(state, log)   # every unit's input, through the engine's public tap
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     grads, versions, layouts = [], [], []
     for step in range(steps):

@@ -49,6 +49,31 @@ def tiny_model(torch, seed: int = 0, sizes=(20, 64, 10)):
     return torch.nn.Sequential(*layers)
 
 
+def record_ddp_submits(state, log):
+    """Log, through the DDP hook engine's public tap (``state.wire.tap``), every unit's input
+    (the concatenation of the parts it encoded, without the two-phase padding) with its table
+    and step (tests/test_ddp.py, benchmarks/gpu_check_ddp.py)."""
+    import numpy as np
+
+    q, P = state.compression.quantizer, state.ranks
+    parts_of = {}
+
+    def tap(unit, part, values, payload):
+        parts = 1 if unit.mode == "allgather" else P
+        if part >= parts:          # the re-encoded two-phase chunk
+            return
+        got = parts_of.setdefault(unit.name, [])
+        got.append(values.detach().cpu().numpy().copy())
+        if len(got) < parts:
+            return
+        del parts_of[unit.name]
+        log.append({"index": unit.index, "name": unit.name, "mode": unit.mode,
+                    "names": list(unit.names), "raw": np.concatenate(got)[:unit.numel],
+                    "levels": q.table.levels.copy(), "version": q.table.version,
+                    "step": q.step, "bits": q.table.bits, "norm": q.norm})
+    state.wire.tap = tap
+
+
 class EncodeRecorder:
     """Record every payload a packed torch exchange encodes, through the engine's public tap
     (``Wire.tap``): from construction on, or within ``with``.

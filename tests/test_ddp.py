@@ -30,6 +30,7 @@ from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels import LevelTable
 from horovod_aq.packed.cost import chunk_numel
 from tests import launches
+from tests.ranks import record_ddp_submits
 
 pytestmark = pytest.mark.multiprocess
 
@@ -180,28 +181,6 @@ def _grads(model):
     return {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
-def _record_submits(state, log):
-    """Log, through the engine's public tap, every unit's input (the concatenation of the parts
-    it encoded, without the two-phase padding) with its table and step."""
-    q, P = state.compression.quantizer, state.ranks
-    parts_of = {}
-
-    def tap(unit, part, values, payload):
-        parts = 1 if unit.mode == "allgather" else P
-        if part >= parts:          # the re-encoded two-phase chunk
-            return
-        got = parts_of.setdefault(unit.name, [])
-        got.append(values.detach().cpu().numpy().copy())
-        if len(got) < parts:
-            return
-        del parts_of[unit.name]
-        log.append({"index": unit.index, "name": unit.name, "mode": unit.mode,
-                    "names": list(unit.names), "raw": np.concatenate(got)[:unit.numel],
-                    "levels": q.table.levels.copy(), "version": q.table.version,
-                    "step": q.step, "bits": q.table.bits, "norm": q.norm})
-    state.wire.tap = tap
-
-
 # ---------------------------------------------------------------- checks (inside the ranks)
 def oracle(exchange="auto", steps=4):
     """ALQ 3-bit trains ``steps`` steps (refits after steps 0 and 2); every unit's input, the
@@ -210,7 +189,7 @@ def oracle(exchange="auto", steps=4):
 
     model, net, comp, state, opt = _setup(exchange=exchange)
     log, grads, versions, layouts = [], [], [], []
-    _record_submits(state, log)
+    record_ddp_submits(state, log)
 
     def after(step):
         grads.append(_grads(model))

@@ -5,6 +5,8 @@ stream refused (docs/format.md §12)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,11 @@ from horovod_aq.codec import rans
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 te = pytest.importorskip("horovod_aq.torch.triton_entropy")
+
+#: Under the interpreter (no CUDA) the kernels run on CPU tensors; compiled, on the GPU
+#: (benchmarks/gpu_check.sh).
+DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET", "") in ("", "0")
+                      and torch.cuda.is_available() else "cpu")
 
 
 def _symbols(bits, n, seed):
@@ -31,17 +38,17 @@ def _symbols(bits, n, seed):
 def test_same_words_states_and_counts_as_the_oracle(bits, n):
     symbols, f, c = _symbols(bits, n, bits * n)
     want = rans.encode_symbols(symbols, f, c)
-    words, states, counts = te.encode_symbols(torch.from_numpy(symbols), f, c)
-    assert np.array_equal(states.numpy(), want[0])
-    assert np.array_equal(counts.numpy(), want[1])
-    assert np.array_equal(words.numpy(), want[2])
+    words, states, counts = te.encode_symbols(torch.from_numpy(symbols).to(DEVICE), f, c)
+    assert np.array_equal(states.cpu().numpy(), want[0])
+    assert np.array_equal(counts.cpu().numpy(), want[1])
+    assert np.array_equal(words.cpu().numpy(), want[2])
     back = te.decode_symbols(states, counts, words, f, c, symbols.size)
-    assert back is not None and np.array_equal(back.numpy(), symbols)
+    assert back is not None and np.array_equal(back.cpu().numpy(), symbols)
 
 
 def test_a_corrupted_stream_is_refused():
     symbols, f, c = _symbols(3, 3000, 1)
-    words, states, counts = te.encode_symbols(torch.from_numpy(symbols), f, c)
+    words, states, counts = te.encode_symbols(torch.from_numpy(symbols).to(DEVICE), f, c)
     for bad_words, bad_states, bad_counts in (
             (words[:-1], states, counts - 1),            # a word short: state off 2^16
             (words, states, counts + 1),                 # a forged count: reads past its end

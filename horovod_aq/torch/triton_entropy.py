@@ -128,7 +128,8 @@ def encode_symbols(symbols: torch.Tensor, f: np.ndarray, c: np.ndarray
                             LANES_C=LANES, STEPS_C=STEPS, PREC=PRECISION, LOW=STATE_LOW)
     column = torch.arange(BLOCK_SYMBOLS + 1, device=device)[None, :]
     keep = column >= (BLOCK_SYMBOLS + 1 - counts)[:, None]
-    return scratch[keep], states, counts
+    # (boolean indexing has no uint16 kernel on CUDA: select the same 16-bit words as int16)
+    return scratch.view(torch.int16)[keep].view(torch.uint16), states, counts
 
 
 def decode_symbols(states: torch.Tensor, counts: torch.Tensor, words: torch.Tensor,
