@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -321,15 +321,34 @@ class ErrorFeedback:
                 "memory": mem.local_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: the inner quantizer's state and the error memory, all
+        checked before anything changes."""
         mem = self.error_memory
+        what = ("ErrorFeedback.load_state_dict expects the dict that state_dict() returned (of "
+                "an ErrorFeedback built with the same settings)")
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{what}, got {type(state).__name__}")
+        missing = [key for key in ("inner", "alpha", "beta") if key not in state]
+        if missing:
+            raise ValueError(f"{what}; this one has no {' or '.join(map(repr, missing))} "
+                             f"(its keys: {sorted(map(str, state))})")
+        memory = state.get("memory", {})
+        try:
+            if not isinstance(memory, Mapping) or not all(isinstance(k, str) for k in memory):
+                raise TypeError("not a dict with string keys")
+            memory = {k: np.asarray(v, dtype=np.float32) for k, v in memory.items()}
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{what}; its 'memory' must map bucket names to float arrays "
+                            f"({exc})") from None
         if (state.get("alpha"), state.get("beta")) != (mem.alpha, mem.beta):
             raise ValueError(
                 f"state_dict has alpha={state.get('alpha')}, beta={state.get('beta')}; this "
                 f"ErrorFeedback has alpha={mem.alpha}, beta={mem.beta}. Build it with the saved "
                 "values (ErrorFeedback(inner, alpha=..., beta=...)); states saved before the "
                 "defaults were derived from the quantizer have alpha=0.2, beta=0.9")
+        self.inner._checked_state(state["inner"])     # raises before anything changes
         self.inner.load_state_dict(state["inner"])
-        mem.load_local_state(state.get("memory", {}))
+        mem.load_local_state(memory)
 
     def __repr__(self) -> str:
         mem = self.error_memory

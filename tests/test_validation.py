@@ -220,3 +220,83 @@ def test_load_state_dict_installs_a_good_state():
     state["step"] = np.int64(0)        # numpy integers (e.g. from an .npz) are integers
     fresh.load_state_dict(state)
     assert fresh.step == 0 and type(fresh.step) is int
+
+
+# ------------------------------------------- ErrorFeedback and DQSGD states (issue 26.5)
+def _ef_state(change):
+    state = horovod_aq.ErrorFeedback(horovod_aq.ALQ(bits=2, bucket_size=64)).state_dict()
+    change(state)
+    return state
+
+
+BAD_EF_STATES = [
+    (None, TypeError, "got NoneType"),
+    ({}, ValueError, "this one has no 'inner' or 'alpha' or 'beta'"),
+    (_ef_state(lambda s: s.pop("inner")), ValueError, "this one has no 'inner'"),
+    (_ef_state(lambda s: s.update(memory={"b": "x"})), TypeError,
+     "its 'memory' must map bucket names to float arrays"),
+    (_ef_state(lambda s: s["inner"].update(step=-1)), ValueError, "its step must be >= 0"),
+    (_ef_state(lambda s: s.update(beta=0.5)), ValueError, "Build it with the saved values"),
+]
+
+
+@pytest.mark.parametrize("state, kind, fragment", BAD_EF_STATES,
+                         ids=[f"{i}-{c[2][-25:]}" for i, c in enumerate(BAD_EF_STATES)])
+def test_error_feedback_load_state_dict_refuses_and_changes_nothing(state, kind, fragment):
+    ef = horovod_aq.ErrorFeedback(horovod_aq.ALQ(bits=2, bucket_size=64))
+    ef.inner.step = 5
+    ef.error_memory.load_local_state({"b0": np.ones(4, np.float32)})
+    before = ef.state_dict()
+    with pytest.raises(kind) as info:
+        ef.load_state_dict(state)
+    assert fragment in str(info.value), str(info.value)
+    after = ef.state_dict()
+    assert after["inner"] == before["inner"] and after["inner"]["step"] == 5
+    assert set(after["memory"]) == {"b0"}
+
+
+def _dqsgd_state(change):
+    state = horovod_aq.DQSGD(target_bits=3, bucket_size=64).state_dict()
+    change(state)
+    return state
+
+
+BAD_DQSGD_STATES = [
+    (None, TypeError, "got NoneType"),
+    (_dqsgd_state(lambda s: s.pop("widths")), ValueError, "this one has no 'widths'"),
+    (_dqsgd_state(lambda s: s["widths"].pop("2")), ValueError,
+     "its 'widths' must hold one state per width"),
+    (_dqsgd_state(lambda s: s["widths"]["3"].update(step=-4)), ValueError,
+     "its step must be >= 0"),
+    (_dqsgd_state(lambda s: s.update(bits=99)), ValueError, "its 'bits' must be one of"),
+    (_dqsgd_state(lambda s: s["rule"].update(spent=float("nan"))), ValueError,
+     "finite non-negative norms, spent and t"),
+    (_dqsgd_state(lambda s: s.update(rule=[])), ValueError, "its 'rule' must be a dict"),
+]
+
+
+@pytest.mark.parametrize("state, kind, fragment", BAD_DQSGD_STATES,
+                         ids=[f"{i}-{c[2][-25:]}" for i, c in enumerate(BAD_DQSGD_STATES)])
+def test_dqsgd_load_state_dict_refuses_and_changes_nothing(state, kind, fragment):
+    comp = horovod_aq.DQSGD(target_bits=3, bucket_size=64)
+    comp.step, comp.bits = 6, 4
+    comp.rule.spent = 12.0
+    before = comp.state_dict()
+    with pytest.raises(kind) as info:
+        comp.load_state_dict(state)
+    assert fragment in str(info.value), str(info.value)
+    assert comp.state_dict() == before
+
+
+def test_dqsgd_and_error_feedback_load_their_own_states():
+    comp = horovod_aq.DQSGD(target_bits=3, bucket_size=64)
+    comp.step, comp.bits = 6, 4
+    comp.rule.spent = 12.0
+    fresh = horovod_aq.DQSGD(target_bits=3, bucket_size=64)
+    fresh.load_state_dict(comp.state_dict())
+    assert fresh.state_dict() == comp.state_dict()
+    ef = horovod_aq.ErrorFeedback(horovod_aq.ALQ(bits=2, bucket_size=64))
+    ef.error_memory.load_local_state({"b0": np.arange(3, dtype=np.float32)})
+    other = horovod_aq.ErrorFeedback(horovod_aq.ALQ(bits=2, bucket_size=64))
+    other.load_state_dict(ef.state_dict())
+    assert np.array_equal(other.state_dict()["memory"]["b0"], np.arange(3))

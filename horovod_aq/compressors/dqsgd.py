@@ -11,6 +11,7 @@ width in [min_bits, max_bits] is kept and all of them are refitted together at r
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -99,7 +100,7 @@ class DQSGD(Compressor):
                          schedule=first.schedule, top_k=first.top_k, nonfinite=nonfinite,
                          checksum=checksum,
                          name=name or f"dqsgd-{levels}{min_bits}-{max_bits}b{first.bucket_size}")
-        self.bits = self.rule.first_bits()
+        self.bits = self.first_bits = self.rule.first_bits()
         self._aggregate_sq = 0.0
         self.bits_history: list[int] = []
 
@@ -163,7 +164,10 @@ class DQSGD(Compressor):
 
     def config(self) -> dict[str, Any]:
         r = self.rule
-        return {**super().config(), "levels": self.levels_family, "target_bits": r.target_bits,
+        # "bits" is the first width, a setting: the current width is state (state_dict's
+        # "bits"), and the handshake's fingerprint carries it separately
+        return {**super().config(), "bits": self.first_bits, "levels": self.levels_family,
+                "target_bits": r.target_bits,
                 "budget": r.budget, "horizon": r.horizon, "min_bits": r.min_bits,
                 "max_bits": r.max_bits, "window": r.window, "alpha": r.alpha}
 
@@ -176,8 +180,39 @@ class DQSGD(Compressor):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+        """Restore :meth:`state_dict`; every part (settings, step, each width's table, the
+        rule's norms and spending, the current width) is checked before anything changes."""
+        super().load_state_dict(state)      # runs _checked_state first: nothing changed on error
         for b, sub in state["widths"].items():
             self.widths[int(b)].load_state_dict(sub)
         self.rule.load_state_dict(state["rule"])
         self.bits = int(state["bits"])
+
+    def _checked_state(self, state: Any) -> tuple[Any, int]:
+        checked = super()._checked_state(state)
+        what = f"{self.name}.load_state_dict expects the dict that state_dict() returned"
+        missing = [key for key in ("widths", "rule", "bits") if key not in state]
+        if missing:
+            raise ValueError(f"{what}; this one has no {' or '.join(map(repr, missing))}")
+        widths, rule = state["widths"], state["rule"]
+        if not isinstance(widths, Mapping) or sorted(map(str, widths)) != sorted(
+                map(str, self.widths)):
+            raise ValueError(f"{what}; its 'widths' must hold one state per width "
+                             f"{sorted(self.widths)}, got "
+                             f"{sorted(widths) if isinstance(widths, Mapping) else widths!r}")
+        for b, sub in widths.items():
+            self.widths[int(b)]._checked_state(sub)
+        if not isinstance(rule, Mapping) or not {"norms", "spent", "t"} <= set(rule):
+            raise ValueError(f"{what}; its 'rule' must be a dict with 'norms', 'spent' and 't'")
+        try:
+            numbers = [float(g) for g in rule["norms"]] + [float(rule["spent"])] + (
+                [] if rule["t"] is None else [float(rule["t"])])
+        except (TypeError, ValueError):
+            numbers = [math.nan]
+        if not all(math.isfinite(v) and v >= 0 for v in numbers):
+            raise ValueError(f"{what}; its 'rule' must hold finite non-negative norms, spent "
+                             f"and t, got {dict(rule)!r}")
+        if isinstance(state["bits"], bool) or state["bits"] not in self.widths:
+            raise ValueError(f"{what}; its 'bits' must be one of {sorted(self.widths)}, got "
+                             f"{state['bits']!r}")
+        return checked
