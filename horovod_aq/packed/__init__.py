@@ -1,7 +1,10 @@
 """The packed exchange's framework-free parts, one job per module (docs/protocol.md §3–§8, §15):
 
-* ``cost``: the cost model (which wire a bucket takes); ``plan``: the bucket plan and the name of
-  every collective; ``protocol``: argument checks, handshake, errors, telemetry;
+* ``cost``: the constant cost model (which wire a bucket takes); ``link``, ``choice``,
+  ``autowire``: ``wire="auto"`` (a link model and codec costs fitted from the job's own
+  collectives, the per-bucket choice of coding and mode, its schedule and agreement); ``plan``:
+  the bucket plan and the name of every collective; ``protocol``: argument checks, handshake,
+  errors, telemetry;
 * the per-rank decisions every framework's exchange calls: ``send`` (the order of a bucket's
   send and its error-feedback update), ``marker`` (what replaces payloads that cannot travel),
   ``receive`` (ok / skip / raise on the rows a collective delivered), ``params`` (element →

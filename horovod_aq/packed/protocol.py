@@ -15,7 +15,8 @@ the decisions of a bucket's send and receive are the sibling modules' (``send``,
   pieces :func:`nonfinite_pieces` also build the TensorFlow graph assertion, so both frameworks
   raise the same text;
 * the telemetry of a step (docs/protocol.md §8): :func:`plan_traffic` (bytes from the bucket
-  plan and the step's code width) and :func:`step_record`.
+  plan and the step's code width), :func:`measured_traffic` (the same with the payload sizes
+  actually sent, §5.4) and :func:`step_record`.
 """
 
 from __future__ import annotations
@@ -231,6 +232,30 @@ def plan_traffic(buckets: Sequence[BucketPlan], small_numels: Sequence[int], *, 
         t.numel += n
         t.bytes_sent += bytes_sent(wire, n, 0, 1, ranks)
     return t
+
+
+def measured_traffic(traffic: Traffic, buckets: Sequence[BucketPlan],
+                     sent_payload_bytes: Sequence[int | None], *, bits: int, bucket_size: int,
+                     ranks: int) -> Traffic:
+    """``traffic`` (:func:`plan_traffic`) with the payload bytes this rank actually encoded
+    (entropy-coded payloads vary; docs/protocol.md §5.4): ``sent_payload_bytes[i]`` is the sum of
+    bucket i's payloads this step (one payload, or its P chunks and re-encoded chunk as
+    :func:`~horovod_aq.packed.cost.payload_bytes_of` counts them; None: as modelled). Each
+    bucket's ``bytes_sent`` is scaled by the same measured/modelled ratio, so the telemetry's
+    ``bits_per_coordinate`` is the measured one."""
+    if len(sent_payload_bytes) != len(buckets):
+        raise ValueError(f"{len(buckets)} buckets but {len(sent_payload_bytes)} payload sizes")
+    out = dataclasses.replace(traffic, exchanges=dict(traffic.exchanges))
+    for b, sent in zip(buckets, sent_payload_bytes):
+        if sent is None:
+            continue
+        if sent < 0:
+            raise ValueError(f"bucket {b.name}: payload bytes must be >= 0, got {sent}")
+        model = payload_bytes_of(b.mode, b.numel, bits, bucket_size, ranks)
+        wire = bytes_sent(b.mode, b.numel, bits, bucket_size, ranks)
+        out.payload_bytes += int(sent) - model
+        out.bytes_sent += round(wire * sent / model) - wire
+    return out
 
 
 def step_record(compression: Any, *, step: int, ranks: int, bits: int, traffic: Traffic | None,
