@@ -49,16 +49,23 @@ def tiny_model(torch, seed: int = 0, sizes=(20, 64, 10)):
     return torch.nn.Sequential(*layers)
 
 
-def record_ddp_submits(state, log):
+def record_ddp_submits(state, log, sent=None):
     """Log, through the DDP hook engine's public tap (``state.wire.tap``), every unit's input
     (the concatenation of the parts it encoded, without the two-phase padding) with its table
-    and step (tests/test_ddp.py, benchmarks/gpu_check_ddp.py)."""
+    and step (tests/test_ddp.py, benchmarks/gpu_check_ddp.py); ``sent``: a list that gets every
+    payload with its stream key's fields and table."""
     import numpy as np
 
     q, P = state.compression.quantizer, state.ranks
     parts_of = {}
 
     def tap(unit, part, values, payload):
+        if sent is not None:
+            sent.append({"step": q.step, "index": unit.index, "part": part,
+                         "values": values.detach().cpu().numpy().copy(),
+                         "payload": payload.detach().cpu().numpy().copy(),
+                         "levels": q.table.levels.copy(), "version": q.table.version,
+                         "norm": q.norm})
         parts = 1 if unit.mode == "allgather" else P
         if part >= parts:          # the re-encoded two-phase chunk
             return

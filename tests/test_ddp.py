@@ -126,7 +126,7 @@ def _seconds(results: dict) -> dict:
 
 # ---------------------------------------------------------------- helpers inside the ranks
 def _setup(method="alq", bits=3, exchange="auto", schedule="0,2,0", error_feedback=False,
-           lr=0.05, seed=0, **comp_kw):
+           lr=0.05, seed=0, wire="fixed", **comp_kw):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -143,7 +143,7 @@ def _setup(method="alq", bits=3, exchange="auto", schedule="0,2,0", error_feedba
                                     schedule=schedule, **comp_kw)
     if error_feedback:
         comp = horovod_aq.ErrorFeedback(comp)
-    state = aqddp.register(net, comp, exchange=exchange)
+    state = aqddp.register(net, comp, exchange=exchange, wire=wire)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     return model, net, comp, state, opt
 
@@ -182,14 +182,16 @@ def _grads(model):
 
 
 # ---------------------------------------------------------------- checks (inside the ranks)
-def oracle(exchange="auto", steps=4):
+def oracle(exchange="auto", steps=4, wire="fixed"):
     """ALQ 3-bit trains ``steps`` steps (refits after steps 0 and 2); every unit's input, the
-    applied gradients, table versions and bucket layouts are logged for the numpy oracle."""
+    applied gradients, table versions and bucket layouts are logged for the numpy oracle
+    (``wire="entropy"``: every payload too)."""
     import torch.distributed as dist
 
-    model, net, comp, state, opt = _setup(exchange=exchange)
+    model, net, comp, state, opt = _setup(exchange=exchange, wire=wire)
     log, grads, versions, layouts = [], [], [], []
-    record_ddp_submits(state, log)
+    sent = [] if wire == "entropy" else None
+    record_ddp_submits(state, log, sent)
 
     def after(step):
         grads.append(_grads(model))
@@ -198,7 +200,7 @@ def oracle(exchange="auto", steps=4):
     losses = _train(net, opt, steps, after=after)
     return {"log": log, "grads": grads, "versions": versions, "layouts": layouts,
             "losses": losses, "params": _params(model), "rank": dist.get_rank(),
-            "telemetry": [r.as_dict() for r in state.telemetry.history]}
+            "telemetry": [r.as_dict() for r in state.telemetry.history], "sent": sent}
 
 
 def unbiased(exchange="auto", steps=200):
@@ -319,11 +321,11 @@ def mismatch():
     _train(net, opt, 1)
 
 
-def raise_nonfinite(exchange="auto"):
+def raise_nonfinite(exchange="auto", wire="fixed"):
     """A NaN in rank 1's ``2.weight`` gradient: every rank raises NonFiniteGradientError."""
     import torch.distributed as dist
 
-    model, net, _, _, opt = _setup(method="qsgd", exchange=exchange, schedule="0")
+    model, net, _, _, opt = _setup(method="qsgd", exchange=exchange, schedule="0", wire=wire)
     if dist.get_rank() == 1:
         dict(model.named_parameters())["2.weight"].register_hook(lambda g: g * float("nan"))
     _train(net, opt, 1)
@@ -377,7 +379,10 @@ CHECKS = {
         ("quantized_training[dqsgd]", {"method": "dqsgd", "target_bits": 4, "window": 5}),
         ("quantized_training[fp16]", {"method": "fp16"}),
         ("resume", {"error_feedback": True, "schedule": "0,4,0"}),
-        ("skip_nonfinite", {}), ("mismatch", {}), ("raise_nonfinite", {})],
+        ("skip_nonfinite", {}), ("mismatch", {}), ("raise_nonfinite", {}),
+        ("oracle[entropy]", {"wire": "entropy", "steps": 3}),
+        ("oracle[entropy_two_phase]", {"exchange": "two_phase", "wire": "entropy", "steps": 3}),
+        ("raise_nonfinite[entropy_two_phase]", {"exchange": "two_phase", "wire": "entropy"})],
     4: [("oracle", {"exchange": "two_phase", "steps": 3}), ("oracle[allgather]",
                                                             {"exchange": "allgather", "steps": 2}),
         ("unbiased", {"exchange": "two_phase", "steps": 150}),
@@ -456,7 +461,8 @@ def test_hook_equals_numpy_oracle(results):
                 exact = np.mean([e["raw"] for e in entries], axis=0)
                 rel = np.linalg.norm(expected - exact) / np.linalg.norm(exact)
                 assert rel < 1.0, (check, step, rel)      # within quantization noise
-        wanted = {"oracle[two_phase]": {"two_phase"}, "oracle[allgather]": {"allgather"}}
+        wanted = {"oracle[two_phase]": {"two_phase"}, "oracle[allgather]": {"allgather"},
+                  "oracle[entropy_two_phase]": {"two_phase"}}
         assert modes == wanted.get(check, {"two_phase"} if world == 4 else {"allgather"})
 
 
@@ -559,10 +565,37 @@ def test_settings_mismatch_fails_everywhere(results):
 
 
 def test_nonfinite_raises_on_every_rank(results):
-    outcomes = _outcomes(results, "raise_nonfinite")
-    assert all(o[0] == "error" and o[1] == "NonFiniteGradientError" for o in outcomes), outcomes
-    assert len({o[2] for o in outcomes}) == 1
-    assert "on rank 1" in outcomes[0][2] and "'2.weight'" in outcomes[0][2]
+    for check in _variant(results, "raise_nonfinite"):
+        outcomes = _outcomes(results, check)
+        assert all(o[0] == "error" and o[1] == "NonFiniteGradientError" for o in outcomes), (
+            check, outcomes)
+        assert len({o[2] for o in outcomes}) == 1
+        assert "on rank 1" in outcomes[0][2] and "'2.weight'" in outcomes[0][2]
+
+
+@pytest.mark.reads("oracle[entropy]", "oracle[entropy_two_phase]", "oracle[two_phase]")
+def test_entropy_hook_sends_the_oracles_payloads_and_fewer_bytes(results):
+    """wire="entropy": every payload (first phase and re-encoded chunk) is
+    ``codec.encode_entropy``'s bytes for its stream key; the averages are the fixed wire's
+    (test_hook_equals_numpy_oracle), and telemetry counts fewer bytes than the fixed wire."""
+    for check in ("oracle[entropy]", "oracle[entropy_two_phase]"):
+        ranks = _get(results, check)
+        flagged = 0
+        for r in ranks:
+            for e in r["sent"]:
+                table = LevelTable(e["levels"], e["version"])
+                want = codec.encode_entropy(
+                    e["values"], table, bucket_size=BUCKET, norm=e["norm"],
+                    key=StreamKey(SEED, r["rank"], e["step"], e["index"], e["part"]))
+                np.testing.assert_array_equal(e["payload"], want, err_msg=check)
+                flagged += bool(want[codec.FLAGS_OFFSET] & codec.FLAG_ENTROPY)
+            assert sum(t["payload_bytes"] for t in r["telemetry"]) == sum(
+                e["payload"].size for e in r["sent"]
+                if e["part"] < (1 if "two_phase" not in check else len(ranks)))
+        assert flagged > 0, check
+    fixed = _get(results, "oracle[two_phase]")[0]["telemetry"]
+    coded = _get(results, "oracle[entropy_two_phase]")[0]["telemetry"]
+    assert sum(t["bytes_sent"] for t in coded) < 0.95 * sum(t["bytes_sent"] for t in fixed)
 
 
 # ---------------------------------------------------------------- the example, under torchrun

@@ -1,4 +1,4 @@
-"""``wire="auto"`` (docs/protocol.md §5.4): the link and codec fits, the per-bucket choice, the
+"""``wire="auto"`` (docs/protocol.md §5.5): the link and codec fits, the per-bucket choice, the
 schedule, the agreement over a threaded multi-rank Comm, checkpoints and bad input."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from horovod_aq.levels import LevelTable
 from horovod_aq.packed import autowire, choice, link
 from horovod_aq.packed.autowire import AutoWire, WireDecision, with_modes
 from horovod_aq.packed.choice import MARGIN, bucket_seconds, choose_wire
-from horovod_aq.packed.cost import TWO_PHASE_MIN_RANKS, payload_bytes_of
+from horovod_aq.packed.cost import TWO_PHASE_MIN_RANKS
 from horovod_aq.packed.link import (
     CodecCost,
     CodecCosts,
@@ -29,11 +29,10 @@ from horovod_aq.packed.link import (
     fit_link,
 )
 from horovod_aq.packed.plan import BucketPlan
-from horovod_aq.packed.protocol import measured_traffic, plan_traffic
 
 MBIT, GBIT = 1e6 / 8, 1e9 / 8  # bytes/s
 BITS, B, N_LEVELS = 3, 1024, 8
-#: Tolerances the fit must meet on noisy samples with overlap outliers (protocol.md §5.4).
+#: Tolerances the fit must meet on noisy samples with overlap outliers (protocol.md §5.5).
 BETA_TOL, ALPHA_TOL = 0.10, 0.25
 #: A fixed coder of 1 ns/coordinate and an entropy coder 3x slower (CPU kernel order).
 FAST = CodecCosts(CodecCost(1e-5, 1e-9), CodecCost(1e-5, 1e-9),
@@ -235,7 +234,7 @@ def test_the_margin_keeps_fixed_when_entropy_gains_less():
 
 
 #: Derandomized: with 4 samples per class and 20 % overlap outliers, about 1 in 1500 random
-#: draws (tiny, latency-bound buckets) still fits a wrong β and loses (docs/protocol.md §5.4).
+#: draws (tiny, latency-bound buckets) still fits a wrong β and loses (docs/protocol.md §5.5).
 @settings(max_examples=80, deadline=None, derandomize=True)
 @given(bw=st.floats(5e7, 2e11), alpha=st.floats(5e-6, 3e-4), p=st.sampled_from([2, 3, 4, 8, 16]),
        n=st.integers(2**10, 2**23), h=st.floats(0.3, 3.2), slow=st.floats(1, 100),
@@ -459,18 +458,3 @@ def test_bad_decision_vectors_and_foreign_plans_are_refused():
         WireDecision.from_array(d.to_array()[:-1])
     with pytest.raises(ValueError, match="restart the measurement"):
         with_modes(_plans([11]), d)
-
-
-# ------------------------------------------------------------------------------ telemetry
-def test_telemetry_counts_the_bytes_actually_sent():
-    plans = _plans([2**20, 2**16])
-    kw = dict(fp16=False, bits=BITS, bucket_size=B, ranks=4)
-    model = plan_traffic(plans, [], **kw)
-    same = measured_traffic(model, plans, [None, None], bits=BITS, bucket_size=B, ranks=4)
-    assert same == model
-    sizes = [payload_bytes_of("allgather", p.numel, BITS, B, 4) // 2 for p in plans]
-    half = measured_traffic(model, plans, sizes, bits=BITS, bucket_size=B, ranks=4)
-    assert half.payload_bytes == sum(sizes)
-    assert half.bytes_sent == pytest.approx(model.bytes_sent / 2, rel=1e-3)
-    with pytest.raises(ValueError, match="2 buckets but 1"):
-        measured_traffic(model, plans, [1], bits=BITS, bucket_size=B, ranks=4)

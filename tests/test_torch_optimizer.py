@@ -327,10 +327,91 @@ def ecq_packed():
             "ef_norm": opt.telemetry.last.extra.get("ef_memory_norm")}
 
 
+#: The entropy wire's model: (20, 256, 10) in buckets of at most 4000 coordinates (two buckets,
+#: large enough that most payloads are entropy-coded).
+ENTROPY_SIZES = (20, 256, 10)
+ENTROPY_FUSION = 16000
+
+
+def entropy_wire():
+    """wire="entropy": one exchange by allgather and one by two-phase (every payload tapped with
+    its stream key), then a step where rank 1's gradient holds a NaN."""
+    torch, hvd = init_torch()
+    import torch.nn.functional as F
+
+    import horovod_aq
+    import horovod_aq.torch as aqt
+
+    out = {}
+    for exchange in ("allgather", "two_phase"):
+        model = tiny_model(torch, 0, sizes=ENTROPY_SIZES)
+        comp = horovod_aq.QSGD(bits=3, bucket_size=BUCKET, seed=7)
+        opt = aqt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(), comp,
+            exchange=exchange, fusion_bytes=ENTROPY_FUSION, wire="entropy")
+        taps = []
+        opt.wire.tap = lambda b, part, values, payload: taps.append(
+            (b.name, b.index, part, values.numpy().copy(), payload.numpy().copy()))
+        x, y = _batch(torch, hvd.rank())
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        out[exchange] = {"taps": list(taps), "buckets": opt.buckets, "grads": _grads(model),
+                         "levels": comp.table.levels, "version": comp.table.version,
+                         "norm": comp.norm, "telemetry": opt.telemetry.last.as_dict()}
+        opt.zero_grad()
+    x, y = _batch(torch, hvd.rank(), step=1)
+    loss = F.cross_entropy(model(x), y)
+    if hvd.rank() == 1:
+        loss = loss * float("nan")
+    try:   # a rank may meet the markers in backward (advancing a finished alltoall)
+        loss.backward()
+        opt.synchronize()
+        out["nan"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out["nan"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def entropy_training(steps: int = 40):
+    """ALQ 3-bit on the MNIST MLP, refits at steps 0 and 20, on the fixed and the entropy wire:
+    telemetry's bytes and the table versions of each."""
+    torch, hvd = init_torch()
+    import torch.nn.functional as F
+
+    import horovod_aq
+    import horovod_aq.torch as aqt
+    from horovod_aq.tools.datasets import load_mnist_5k
+
+    train, _ = load_mnist_5k(seed=0)
+    shard = train.shard(hvd.rank(), hvd.size())
+    xs = torch.from_numpy(shard.images.reshape(len(shard.labels), -1))
+    ys = torch.from_numpy(shard.labels)
+    out = {}
+    for wire in ("fixed", "entropy"):
+        model = tiny_model(torch, 0, sizes=(784, 128, 10))
+        comp = horovod_aq.ALQ(bits=3, bucket_size=TRAIN_BUCKET, seed=3, schedule="0,20,0")
+        opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters(), comp, wire=wire)
+        gen = torch.Generator().manual_seed(hvd.rank())
+        losses = []
+        for _ in range(steps):
+            idx = torch.randint(0, len(ys), (32,), generator=gen)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(xs[idx]), ys[idx])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        out[wire] = {"versions": [r.table_version for r in opt.telemetry.history],
+                     "bytes_sent": [r.bytes_sent for r in opt.telemetry.history],
+                     "bits": [r.bits_per_coordinate for r in opt.telemetry.history],
+                     "losses": losses}
+    return out
+
+
 TWO_RANK_CHECKS = [oracle_allgather, oracle_two_phase, oracle_accumulate, unbiased_two_phase,
                    refit_tables, checkpoint_resume, train_fp32, train_alq_packed, train_alq_stock,
                    dqsgd_bits_agree, ecq_packed, settings_mismatch_detected,
-                   version_mismatch_refused]
+                   version_mismatch_refused, entropy_wire, entropy_training]
 FOUR_RANK_CHECKS = [oracle_allgather, oracle_two_phase, refit_tables, process_sets_split,
                     settings_mismatch_detected]
 
@@ -538,3 +619,66 @@ def test_ecq_on_the_packed_path(launch):
                 g = np.concatenate([r["local"][step][n].ravel() for n in params])
                 np.testing.assert_allclose(inp, g + np.float32(alpha) * h, rtol=0, atol=1e-6)
                 h = np.float32(beta) * h + (g - codec.decode(payload, table))
+
+
+# ---------------------------------------------------------------- the entropy-coded wire
+@pytest.mark.reads("entropy_wire")
+@pytest.mark.parametrize("exchange", ["allgather", "two_phase"])
+def test_entropy_wire_sends_the_oracles_bytes_and_averages_them(launch, exchange):
+    from horovod_aq.codec.stream import StreamKey
+
+    results = [r[exchange] for r in _get(launch, entropy_wire)]
+    table = _table(results[0])
+    P = len(results)
+    flagged = 0
+    for rank, r in enumerate(results):
+        for name, index, part, values, payload in r["taps"]:
+            want = codec.encode_entropy(values, table, bucket_size=BUCKET, norm=r["norm"],
+                                        key=StreamKey(7, rank, 0, index, part))
+            np.testing.assert_array_equal(payload, want)
+            flagged += bool(payload[codec.FLAGS_OFFSET] & codec.FLAG_ENTROPY)
+    assert flagged > 0
+    for name, numel, mode, params in results[0]["buckets"]:
+        assert mode == exchange
+        if exchange == "allgather":
+            rows = [next(t[4] for t in r["taps"] if t[0] == name) for r in results]
+            expected = codec.decode_average(rows, table)      # a list of variable-length rows
+        else:
+            chunks = []
+            for r in range(P):
+                mine = [t for t in results[r]["taps"] if t[0] == name]
+                reencoded = next(t for t in mine if t[2] == P)
+                sent = [next(t[4] for t in results[p]["taps"] if t[0] == name and t[2] == r)
+                        for p in range(P)]
+                avg = codec.decode_average(sent, table)
+                avg[max(numel - r * avg.size, 0):] = 0
+                np.testing.assert_array_equal(reencoded[3], avg)
+                chunks.append(codec.decode(reencoded[4], table))
+            expected = np.concatenate(chunks)[:numel]
+        for res in results:
+            np.testing.assert_array_equal(_bucket_grads(res, params), expected)
+    for rank, r in enumerate(results):   # telemetry: the bytes of the payloads really sent
+        t = r["telemetry"]
+        first = [p.size for _, _, part, _, p in r["taps"] if part < (P if exchange ==
+                                                                       "two_phase" else 1)]
+        assert t["payload_bytes"] == sum(first)
+
+
+@pytest.mark.reads("entropy_wire")
+def test_entropy_wire_marker_stops_every_rank(launch):
+    messages = [r["nan"] for r in _get(launch, entropy_wire)]
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith("NonFiniteGradientError") and "on rank 1" in messages[0]
+
+
+@pytest.mark.reads("entropy_training")
+def test_entropy_wire_trains_adapts_and_sends_fewer_bytes(launch):
+    results = _get(launch, entropy_training)
+    for r in results:
+        fixed, coded = r["fixed"], r["entropy"]
+        assert coded["versions"][-1] == fixed["versions"][-1] >= 2   # refits at 0 and 20
+        assert coded["versions"] == fixed["versions"]
+        assert sum(coded["bytes_sent"]) < 0.8 * sum(fixed["bytes_sent"])
+        assert np.mean(coded["bits"]) < np.mean(fixed["bits"])
+        assert np.mean(coded["losses"][-10:]) < np.mean(coded["losses"][:10])
+        assert coded["losses"] == fixed["losses"]    # the same codes: the same training, bitwise

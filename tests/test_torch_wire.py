@@ -52,15 +52,18 @@ class Loopback:
     def _put(self, name, payloads):
         self.net.sent.setdefault(name, {})[self.rank] = payloads
 
-    def allgather(self, payload, name, then):
+    def allgather(self, payload, name, then, *, delimit=None):
         self._put(name, [payload])
 
         def collect(sent):
-            rows = [sent[r][0] for r in range(self.size)]
-            return then(wire_mod.Received(torch.cat(rows), [p.numel() for p in rows]))
+            flat = torch.cat([sent[r][0] for r in range(self.size)])
+            if delimit is None:   # equal sizes, as every fixed-coding collective assumes
+                return then(wire_mod.Received(flat, [payload.numel()] * self.size))
+            # what Horovod's allgather does: only the concatenation arrives
+            return then(wire_mod.Received(flat, delimit(flat.numpy(), self.size)))
         return _Pending(self.net, name, self.rank, collect)
 
-    def alltoall(self, payloads, name):
+    def alltoall(self, payloads, name, *, variable=False):
         self._put(name, list(payloads))
 
         def collect(sent):
@@ -72,21 +75,27 @@ class Loopback:
 NAMES, NUMELS = ("w", "b", "v"), (40, 7, 23)
 
 
-def _ranks(P, mode, comp_factory, *, masked=False, net=None, deadline=Deadline(None)):
+#: A bucket large enough that entropy-coded payloads are smaller than fixed-width ones.
+BIG = (4000, 7, 2993)
+
+
+def _ranks(P, mode, comp_factory, *, masked=False, net=None, deadline=Deadline(None),
+           coding="fixed", numels=NUMELS):
     net = net or Network(P)
-    n = sum(NUMELS)
+    n = sum(numels)
     plan = BucketPlan(3, "t.0.abc", (0, 1, 2), n, mode)
     out = []
     for r in range(P):
         comp = comp_factory()
         wire = wire_mod.Wire(comp, Loopback(net, r), stream_rank=r, deadline=deadline)
-        out.append((comp, wire, wire_mod.Bucket(plan, NAMES, NUMELS, masked=masked)))
+        out.append((comp, wire, wire_mod.Bucket(plan, NAMES, numels, masked=masked,
+                                                coding=coding)))
     return net, out
 
 
-def _grads(P, seed=0):
+def _grads(P, seed=0, numels=NUMELS):
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal(sum(NUMELS)).astype(np.float32) for _ in range(P)]
+    return [rng.standard_normal(sum(numels)).astype(np.float32) for _ in range(P)]
 
 
 def _run(ranks, grads, present=None):
@@ -213,3 +222,94 @@ def test_a_zero_filled_row_is_a_joined_rank():
     net.sent["aq.ag.t.0.abc"][1] = [torch.zeros_like(mine)]   # what Horovod sends for rank 1
     with pytest.raises(JoinedRankError, match=r"rank\(s\) 1 called hvd.join\(\)"):
         wire.finish(bucket)
+
+
+# ---------------------------------------------------------------- the entropy-coded wire
+def _tap_all(ranks):
+    tapped = {}
+    for comp, wire, bucket in ranks:
+        wire.tap = (lambda b, part, values, payload, r=wire.stream_rank:
+                    tapped.setdefault((r, part), (values.clone(), payload.clone())))
+    return tapped
+
+
+@pytest.mark.parametrize("mode, P, masked", [("allgather", 2, False), ("allgather", 3, True),
+                                             ("two_phase", 3, False), ("two_phase", 2, True)])
+def test_the_entropy_wire_sends_the_oracles_bytes_and_averages_like_the_fixed_one(mode, P,
+                                                                                   masked):
+    _, ranks = _ranks(P, mode, _qsgd, coding="entropy", numels=BIG, masked=masked)
+    tapped = _tap_all(ranks)
+    grads = _grads(P, numels=BIG)
+    results = _run(ranks, grads)
+    table = ranks[0][0].table
+    flagged = 0
+    for (r, part), (values, payload) in tapped.items():
+        want = codec.encode_entropy(values.numpy(), table, bucket_size=B, norm="l2",
+                                    key=StreamKey(SEED, r, 0, 3, part))
+        np.testing.assert_array_equal(payload.numpy(), want)
+        assert payload.numel() <= codec.payload_size(values.numel(), table.bits, B)
+        flagged += bool(want[codec.FLAGS_OFFSET] & codec.FLAG_ENTROPY)
+    assert flagged == len(tapped)        # every payload of this bucket is entropy-coded
+    # the same codes as the fixed wire: the same average, bitwise
+    expected = _oracle(grads, mode, table)
+    for got in results:
+        np.testing.assert_array_equal(got, expected)
+    if mode == "allgather":   # and the average is codec.decode_average of the gathered rows
+        rows = [tapped[(r, 0)][1].numpy() for r in range(P)]
+        np.testing.assert_array_equal(results[0], codec.decode_average(rows, table))
+    sizes = {payload.numel() for _, payload in tapped.values()}
+    assert len(sizes) > 1                # the payloads really have different lengths
+
+
+def test_the_entropy_wire_counts_the_bytes_it_sends():
+    P = 3
+    sent = {}
+    for coding in ("fixed", "entropy"):
+        _, ranks = _ranks(P, "two_phase", _qsgd, coding=coding, numels=BIG)
+        tapped = _tap_all(ranks)
+        _run(ranks, _grads(P, numels=BIG))
+        wire = ranks[1][1]
+        mine = {part: p.numel() for (r, part), (_, p) in tapped.items() if r == 1}
+        counts = wire.take_sent()
+        assert counts["payload_bytes"] == sum(mine[k] for k in range(P))
+        assert counts["bytes_sent"] == (sum(mine[k] for k in range(P) if k != 1)
+                                        + (P - 1) * mine[P])
+        assert wire.take_sent() == {"payload_bytes": 0, "bytes_sent": 0}
+        sent[coding] = counts
+    assert sent["entropy"]["bytes_sent"] < 0.9 * sent["fixed"]["bytes_sent"]
+
+
+def test_error_feedback_memory_on_the_entropy_wire():
+    P = 2
+    _, ranks = _ranks(P, "allgather", lambda: horovod_aq.ErrorFeedback(
+        _qsgd(), alpha=1.0, beta=1.0), coding="entropy", numels=BIG)
+    tapped = _tap_all(ranks)
+    grads = _grads(P, numels=BIG)
+    _run(ranks, grads)
+    table = ranks[0][0].quantizer.table
+    for r, (comp, wire, bucket) in enumerate(ranks):
+        payload = tapped[(r, 0)][1].numpy()
+        assert payload[codec.FLAGS_OFFSET] & codec.FLAG_ENTROPY
+        np.testing.assert_allclose(comp.error_memory.memory[bucket.name].numpy(),
+                                   grads[r] - codec.decode(payload, table), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["allgather", "two_phase"])
+def test_a_marker_among_entropy_payloads_names_rank_and_parameter(mode):
+    P = 3
+    _, ranks = _ranks(P, mode, _qsgd, coding="entropy", numels=BIG, masked=True)
+    grads = _grads(P, numels=BIG)
+    grads[1][4003] = np.inf                   # parameter "b" occupies elements 4000..4006
+    errors = []
+    for (comp, wire, bucket), g in zip(ranks, grads):
+        wire.submit(bucket, torch.from_numpy(g))
+    for comp, wire, bucket in ranks:
+        with pytest.raises(codec.NonFiniteGradientError) as err:
+            wire.finish(bucket)
+        errors.append(str(err.value))
+    assert len(set(errors)) == 1 and "on rank 1" in errors[0] and "'b'" in errors[0]
+
+
+def test_bucket_coding_is_checked():
+    with pytest.raises(ValueError, match="coding must be one of"):
+        wire_mod.Bucket(BucketPlan(0, "x", (0,), 4, "allgather"), ["w"], [4], coding="rans")

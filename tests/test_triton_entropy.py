@@ -56,3 +56,29 @@ def test_a_corrupted_stream_is_refused():
             (words, (states.to(torch.int64) + 1).to(torch.uint32), counts)):  # a bad state
         assert te.decode_symbols(bad_states, bad_counts, bad_words, f, c,
                                  symbols.size) is None
+
+
+# ------------------------------------------------ the torch encoder of entropy-coded payloads
+#: (bits, n, bucket size): entropy-coded at 3 and 2 bits; a tensor so small that the fixed-width
+#: payload is smaller (the fallback); one whose last symbol is padded (n not a multiple of g).
+@pytest.mark.parametrize("bits, n, bucket, checksum", [(3, 3001, 64, False), (2, 4000, 128, True),
+                                                       (3, 12, 64, False)])
+def test_the_triton_entropy_encoder_writes_the_oracles_payload(bits, n, bucket, checksum):
+    import horovod_aq
+    from horovod_aq import codec
+    from horovod_aq.codec.stream import StreamKey
+    from horovod_aq.torch import entropy
+
+    table = horovod_aq.QSGD(bits=bits, bucket_size=bucket).table
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    key = StreamKey(3, 1, 5, 2, 0)
+    want = codec.encode_entropy(x, table, bucket_size=bucket, key=key, checksum=checksum)
+    got = entropy.encode_entropy_triton(torch.from_numpy(x), table, bucket_size=bucket, key=key,
+                                        checksum=checksum)
+    assert np.array_equal(got.numpy(), want)
+    assert bool(want[codec.FLAGS_OFFSET] & codec.FLAG_ENTROPY) == (n > 100)
+    # the default path (the compiled CPU kernel for a CPU tensor) writes the same bytes
+    cpu = entropy.encode_entropy(torch.from_numpy(x), table, bucket_size=bucket, key=key,
+                                 checksum=checksum)
+    assert np.array_equal(cpu.numpy(), want)
+    np.testing.assert_array_equal(entropy.decode(got, table).numpy(), codec.decode(want, table))

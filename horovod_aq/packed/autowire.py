@@ -1,5 +1,5 @@
 """``wire="auto"``: when the wire is measured, who decides, and when the decision takes effect
-(docs/protocol.md §5.4). Every rank runs the same schedule, a function of the global step:
+(docs/protocol.md §5.5). Every rank runs the same schedule, a function of the global step:
 
 ===========================================  ===================================================
 steps (s = first exchanged step)             what the wire does

@@ -1,5 +1,5 @@
 """Which wire each fused bucket takes: fixed or entropy-coded codes, allgather or two-phase
-(docs/protocol.md §5.4), from the measured link model and codec costs (:mod:`.link`).
+(docs/protocol.md §5.5), from the measured link model and codec costs (:mod:`.link`).
 
 **Payload sizes.** For n coordinates at b bits in quantization buckets of B, with N levels:
 

@@ -1,5 +1,5 @@
 """The link model and the codec costs, fitted from the job's own collectives
-(docs/protocol.md §5.4).
+(docs/protocol.md §5.5).
 
 **Samples.** The wire records, during the measurement steps, each collective it issued as a
 :class:`LinkSample` (kind, the bytes this rank handed to it, ranks P, seconds from issue to

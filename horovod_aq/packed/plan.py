@@ -23,6 +23,10 @@ from horovod_aq.packed.cost import NetworkModel, resolve_exchange
 #: Largest fused bucket of the packed optimizers, in bytes of fp32 gradient (PyTorch DDP's
 #: default bucket cap).
 DEFAULT_FUSION_BYTES = 25 * 2**20
+#: How a bucket's payloads are coded (``wire=``): "fixed" — fixed-width codes, one size per
+#: bucket on every rank (docs/format.md §1); "entropy" — the smaller of the entropy-coded and
+#: the fixed-width payload, sizes differ by rank (docs/format.md §12, docs/protocol.md §5.4).
+CODINGS = ("fixed", "entropy")
 
 def op_name(text: str) -> str:
     """A Horovod/TF op name: no '/' (Horovod strips name scopes up to the last one) or ':'."""
@@ -133,7 +137,12 @@ def plan_buckets(
     return buckets, uncompressed
 
 
-def layout_digest(buckets: list[BucketPlan], uncompressed_names: list[str]) -> int:
-    """CRC-32 of the bucket layout and the uncompressed tensors (compared across ranks)."""
+def layout_digest(buckets: list[BucketPlan], uncompressed_names: list[str],
+                  coding: str = "fixed") -> int:
+    """CRC-32 of the bucket layout, the uncompressed tensors and, when not "fixed", the payload
+    coding (compared across ranks by the handshake: ranks on different wires would read each
+    other's sizes wrongly)."""
     text = repr([(b.name, b.numel, b.mode) for b in buckets] + sorted(uncompressed_names))
+    if coding != "fixed":
+        text += f"|coding={coding}"
     return zlib.crc32(text.encode()) & 0xFFFFFFFF

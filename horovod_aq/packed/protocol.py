@@ -36,7 +36,7 @@ from horovod_aq.packed.cost import (
     bytes_sent,
     payload_bytes_of,
 )
-from horovod_aq.packed.plan import DEFAULT_FUSION_BYTES, BucketPlan, handshake_name
+from horovod_aq.packed.plan import CODINGS, DEFAULT_FUSION_BYTES, BucketPlan, handshake_name
 from horovod_aq.telemetry import StepRecord
 
 #: Start of the non-finite error's message (TensorFlow translates graph assertions by it).
@@ -96,6 +96,16 @@ def check_exchange_args(*, exchange: Any = "auto", fusion_bytes: Any = DEFAULT_F
     arguments.integer("small_tensor_threshold", small_tensor_threshold, 0,
                       allowed=">= 0 (an integer: tensors with fewer elements are sent "
                               "uncompressed)")
+
+
+def check_wire(wire: Any) -> str:
+    """The ``wire=`` argument of the packed exchanges (Horovod optimizer, DDP hook): one of
+    ``packed.plan.CODINGS``; a ``ValueError`` that says what to pass otherwise."""
+    if not isinstance(wire, str) or wire not in CODINGS:
+        raise ValueError(f"wire must be one of {CODINGS}, got {wire!r}: pass wire='fixed' "
+                         "(fixed-width codes) or wire='entropy' (entropy-coded, "
+                         "variable-length payloads)")
+    return wire
 
 
 def is_compression(obj: Any) -> bool:
@@ -234,28 +244,17 @@ def plan_traffic(buckets: Sequence[BucketPlan], small_numels: Sequence[int], *, 
     return t
 
 
-def measured_traffic(traffic: Traffic, buckets: Sequence[BucketPlan],
-                     sent_payload_bytes: Sequence[int | None], *, bits: int, bucket_size: int,
-                     ranks: int) -> Traffic:
-    """``traffic`` (:func:`plan_traffic`) with the payload bytes this rank actually encoded
-    (entropy-coded payloads vary; docs/protocol.md §5.4): ``sent_payload_bytes[i]`` is the sum of
-    bucket i's payloads this step (one payload, or its P chunks and re-encoded chunk as
-    :func:`~horovod_aq.packed.cost.payload_bytes_of` counts them; None: as modelled). Each
-    bucket's ``bytes_sent`` is scaled by the same measured/modelled ratio, so the telemetry's
-    ``bits_per_coordinate`` is the measured one."""
-    if len(sent_payload_bytes) != len(buckets):
-        raise ValueError(f"{len(buckets)} buckets but {len(sent_payload_bytes)} payload sizes")
-    out = dataclasses.replace(traffic, exchanges=dict(traffic.exchanges))
-    for b, sent in zip(buckets, sent_payload_bytes):
-        if sent is None:
-            continue
-        if sent < 0:
-            raise ValueError(f"bucket {b.name}: payload bytes must be >= 0, got {sent}")
-        model = payload_bytes_of(b.mode, b.numel, bits, bucket_size, ranks)
-        wire = bytes_sent(b.mode, b.numel, bits, bucket_size, ranks)
-        out.payload_bytes += int(sent) - model
-        out.bytes_sent += round(wire * sent / model) - wire
-    return out
+def measured_traffic(planned: Traffic, sent: dict[str, int], small_numels: Sequence[int], *,
+                     fp16: bool, ranks: int) -> dict[str, int]:
+    """``payload_bytes`` and ``bytes_sent`` of a step whose quantized buckets' bytes were
+    counted by the wire (``sent``: its ``payload_bytes`` and ``bytes_sent``, presence masks
+    excluded): the real sizes of variable-length payloads (docs/protocol.md §5.4), plus the
+    small tensors' allreduces of ``planned``'s model. With fixed-width payloads it equals
+    ``planned`` except on a skipped two-phase step (no re-encoded chunks travel)."""
+    wire = "allreduce_fp16" if fp16 else "allreduce_fp32"
+    small = sum(bytes_sent(wire, n, 0, 1, ranks) for n in small_numels)
+    return {"payload_bytes": int(sent["payload_bytes"]),
+            "bytes_sent": int(sent["bytes_sent"]) + small}
 
 
 def step_record(compression: Any, *, step: int, ranks: int, bits: int, traffic: Traffic | None,

@@ -89,15 +89,25 @@ class HorovodCollectives:
         self.rank = process_set.rank()
         self.size = process_set.size()
 
-    def allgather(self, payload: torch.Tensor, name: str,
-                  then: Callable[[Received], Any]) -> _Handle:
-        """Gather every rank's ``payload``; ``then(received)`` runs when it is collected."""
-        handle = allgather_async(payload, name=name, process_set=self.process_set)
-        sizes = [payload.numel()] * self.size
-        return _Handle(handle, lambda out: then(Received(out, sizes)))
+    def allgather(self, payload: torch.Tensor, name: str, then: Callable[[Received], Any], *,
+                  delimit: Callable[[np.ndarray, int], list[int]] | None = None) -> _Handle:
+        """Gather every rank's ``payload``; ``then(received)`` runs when it is collected.
 
-    def alltoall(self, payloads: list[torch.Tensor], name: str) -> _Handle:
-        """Send ``payloads[r]`` to rank r; ``wait()`` gives what every rank sent this one."""
+        Horovod's allgather takes a different length on every rank but returns only the
+        concatenation: with ``delimit`` (variable sizes) the per-rank sizes are read from the
+        received bytes, ``delimit(host bytes, P)`` — the payloads delimit themselves
+        (``packed.delimit``), so no size travels separately (docs/protocol.md §5.4)."""
+        handle = allgather_async(payload, name=name, process_set=self.process_set)
+        if delimit is None:
+            sizes = [payload.numel()] * self.size
+            return _Handle(handle, lambda out: then(Received(out, sizes)))
+        return _Handle(handle, lambda out: then(Received(out, delimit(
+            out.detach().cpu().numpy(), self.size))))
+
+    def alltoall(self, payloads: list[torch.Tensor], name: str, *,
+                 variable: bool = False) -> _Handle:
+        """Send ``payloads[r]`` to rank r; ``wait()`` gives what every rank sent this one.
+        Horovod's alltoall returns the received splits, so sizes may vary (``variable``)."""
         splits = [p.numel() for p in payloads]
         handle = alltoall_async(torch.cat(payloads), splits=splits, name=name,
                                 process_set=self.process_set)

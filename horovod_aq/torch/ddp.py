@@ -58,7 +58,9 @@ from horovod_aq.packed.protocol import (
     ConfigMismatchError,
     ExchangeSettings,
     check_compression,
+    check_wire,
     handshake,
+    measured_traffic,
     plan_traffic,
     step_record,
 )
@@ -137,11 +139,15 @@ class QuantizedHookState:
         stall_timeout_s: seconds a wait for one collective may last before every stuck rank
             raises ``ExchangeStalledError`` naming it (default ``$HOROVOD_AQ_STALL_TIMEOUT_S``,
             else 300; 0: wait forever).
+        wire: "fixed" (fixed-width codes) or "entropy" (entropy-coded, variable-length
+            payloads where smaller, docs/format.md §12; sizes are gathered before the payloads,
+            docs/protocol.md §5.4). Kept in :attr:`coding`, which may be changed between steps
+            (the same on every rank).
     """
 
     __slots__ = (
         # what is exchanged, and how
-        "compression", "settings", "telemetry", "prefix", "_deadline",
+        "compression", "settings", "telemetry", "prefix", "_deadline", "coding",
         # the process group (resolved lazily)
         "_group", "_resolved", "_wire", "_comm", "_collectives",
         # bucket layout and checkpoints
@@ -154,8 +160,10 @@ class QuantizedHookState:
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  exchange: str = "auto", network: NetworkModel | None = None,
                  telemetry: Telemetry | None = None, name: str | None = None,
-                 stall_timeout_s: float | None = None) -> None:
+                 stall_timeout_s: float | None = None, wire: str = "fixed") -> None:
         compression = NoCompression() if compression is None else compression
+        #: How quantized buckets' payloads are coded ("fixed" / "entropy", ``Bucket.coding``).
+        self.coding = check_wire(wire)
         check_compression(compression, "torch.distributed.algorithms.ddp_comm_hooks")
         self.compression = compression
         self.settings = ExchangeSettings(exchange, network=network)
@@ -192,7 +200,7 @@ class QuantizedHookState:
                                "backward pass")
         self._group = group_or_world(self._group)
         self._comm = DistComm(self._group, self._deadline)
-        self._collectives = DistCollectives(self._group)
+        self._collectives = DistCollectives(self._group, self._deadline)
         # the global rank keys the random stream, as on the Horovod paths (docs/format.md §6)
         self._wire = Wire(self.compression, self._collectives, stream_rank=dist.get_rank(),
                           deadline=self._deadline)
@@ -227,6 +235,7 @@ class QuantizedHookState:
         self._pending = [u for u in self._pending if u.stage == "a2a"]
         units = self._units_for(index, list(bucket.parameters()), buffer)
         for unit in units:
+            unit.coding = self.coding
             self._handshake(unit)
             raw = unit.gather(buffer)
             if unit.mode == ALLREDUCE:
@@ -305,10 +314,12 @@ class QuantizedHookState:
             return
         step, bits = started
         comp = self.compression
-        traffic = plan_traffic([u.plan for u in units if u.mode != ALLREDUCE],
-                               [u.numel for u in units if u.mode == ALLREDUCE],
+        small = [u.numel for u in units if u.mode == ALLREDUCE]
+        traffic = plan_traffic([u.plan for u in units if u.mode != ALLREDUCE], small,
                                fp16=comp.fp16_wire, bits=bits, bucket_size=comp.bucket_size,
                                ranks=self.ranks)
+        traffic = dataclasses.replace(traffic, **measured_traffic(   # the bytes really sent
+            traffic, self.wire.take_sent(), small, fp16=comp.fp16_wire, ranks=self.ranks))
         self.telemetry.record(step_record(comp, step=step, ranks=self.ranks, bits=bits,
                                           traffic=traffic, refitted=refitted,
                                           skipped=int(self.skipped)))
@@ -387,7 +398,7 @@ class QuantizedHookState:
         if key in self._checked:
             return
         plan = unit.plan
-        layout = (layout_digest([plan], []) if plan.mode != ALLREDUCE
+        layout = (layout_digest([plan], [], self.coding) if plan.mode != ALLREDUCE
                   else layout_digest([], [f"{plan.name}:{plan.numel}"]))
         self._checked.add(key)
         handshake(self._comm, self.compression, layout)

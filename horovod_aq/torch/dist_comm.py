@@ -116,23 +116,60 @@ def _then(work: Any, then: Callable[[], Any]) -> _Work:
 
 
 class DistCollectives:
-    """The wire's payload collectives over a ``torch.distributed`` process group."""
+    """The wire's payload collectives over a ``torch.distributed`` process group.
+
+    Variable sizes (the entropy-coded wire, docs/protocol.md §5.4): ``all_gather`` and
+    ``all_to_all_single`` need the sizes before the data, so every rank first exchanges its sizes
+    in one small int64 collective issued at the same point (the same call) on every rank, waits
+    for it (``deadline``), then issues the payload collective: allgather pads every payload to
+    the largest and trims on receipt; alltoall passes the exchanged split sizes.
+    """
 
     #: ``torch.distributed`` does not stand in for ranks that left.
     zero_fills_joined = False
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, deadline: Deadline = FOREVER) -> None:
         self.group = group_or_world(group)
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
+        self.device = comm_device(self.group)
+        self.deadline = deadline
 
-    def allgather(self, payload: torch.Tensor, name: str,
-                  then: Callable[[Received], Any]) -> _Work:
+    def _exchange_sizes(self, mine: list[int], name: str, *, gather: bool) -> list[int]:
+        """Every rank's size (``gather``: all_gather of one int64) or the sizes every rank
+        sends this one (all_to_all_single of P int64), waited for with the deadline."""
+        send = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        if gather:
+            got = torch.empty(self.size, dtype=torch.int64, device=self.device)
+            work = all_gather_flat(got, send, self.group, async_op=True)
+        else:
+            got = torch.empty_like(send)
+            work = dist.all_to_all_single(got, send, group=self.group, async_op=True)
+        wait_until(work.is_completed, self.deadline, f"{name} (sizes)")
+        work.wait()
+        return [int(n) for n in got.cpu().tolist()]
+
+    def allgather(self, payload: torch.Tensor, name: str, then: Callable[[Received], Any], *,
+                  delimit: Callable[[np.ndarray, int], list[int]] | None = None) -> _Work:
         """Gather every rank's ``payload``; ``then`` runs in the work's future callback (its
-        error is kept and raised by ``wait()``, in the caller's thread)."""
-        out = torch.empty(self.size * payload.numel(), dtype=torch.uint8, device=payload.device)
-        work = all_gather_flat(out, payload, self.group, async_op=True)
-        return _then(work, lambda: then(Received(out, [payload.numel()] * self.size)))
+        error is kept and raised by ``wait()``, in the caller's thread). ``delimit`` not None:
+        sizes may differ by rank; they are gathered first (``delimit`` is not needed)."""
+        if delimit is None:
+            out = torch.empty(self.size * payload.numel(), dtype=torch.uint8,
+                              device=payload.device)
+            work = all_gather_flat(out, payload, self.group, async_op=True)
+            return _then(work, lambda: then(Received(out, [payload.numel()] * self.size)))
+        sizes = self._exchange_sizes([payload.numel()], name, gather=True)
+        width = max(sizes)
+        padded = torch.zeros(width, dtype=torch.uint8, device=payload.device)
+        padded[:payload.numel()] = payload
+        out = torch.empty(self.size * width, dtype=torch.uint8, device=payload.device)
+        work = all_gather_flat(out, padded, self.group, async_op=True)
+
+        def trimmed() -> Received:
+            rows = out.view(self.size, width)
+            return Received(torch.cat([rows[r, :n] for r, n in enumerate(sizes)]), sizes)
+        return _then(work, lambda: then(trimmed()))
 
     def allreduce_mean(self, tensor: torch.Tensor, name: str,
                        then: Callable[[torch.Tensor], Any]) -> _Work:
@@ -142,12 +179,22 @@ class DistCollectives:
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         return _then(work, lambda: then(tensor))
 
-    def alltoall(self, payloads: list[torch.Tensor], name: str) -> _Work:
-        """Send ``payloads[r]`` to rank r (equal sizes); ``wait()`` gives the received ones."""
+    def alltoall(self, payloads: list[torch.Tensor], name: str, *,
+                 variable: bool = False) -> _Work:
+        """Send ``payloads[r]`` to rank r; ``wait()`` gives the received ones. Equal sizes
+        everywhere, or (``variable``) sizes exchanged first and passed as split sizes."""
         send = torch.cat(payloads)
-        received = torch.empty_like(send)
-        work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
-        sizes = [p.numel() for p in payloads]
+        if not variable:
+            received = torch.empty_like(send)
+            work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
+            sizes = [p.numel() for p in payloads]
+        else:
+            splits = [p.numel() for p in payloads]
+            sizes = self._exchange_sizes(splits, name, gather=False)
+            received = torch.empty(sum(sizes), dtype=torch.uint8, device=send.device)
+            work = dist.all_to_all_single(received, send, output_split_sizes=sizes,
+                                          input_split_sizes=splits, group=self.group,
+                                          async_op=True)
 
         def collect() -> Received:
             work.wait()

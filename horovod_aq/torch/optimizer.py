@@ -59,7 +59,9 @@ from horovod_aq.packed.protocol import (
     ExchangeSettings,
     Traffic,
     check_exchange_args,
+    check_wire,
     handshake,
+    measured_traffic,
     plan_traffic,
     step_record,
 )
@@ -118,10 +120,12 @@ class _PackedOptimizer(torch.optim.Optimizer):
                  settings: ExchangeSettings, sparse_as_dense: bool,
                  telemetry: Telemetry | None, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, groups: Any = None,
-                 stall_timeout: float | None = None) -> None:
+                 stall_timeout: float | None = None, wire: str = "fixed") -> None:
         self._aq = compression
         self._aq_q = compression.quantizer          # table, bits, step, refits
         self._aq_settings = settings
+        #: How the buckets' payloads are coded ("fixed" / "entropy"; ``Bucket.coding``).
+        self._aq_coding = wire
         self._aq_telemetry = telemetry if telemetry is not None else Telemetry()
         #: Seconds a wait for one collective may last (None: forever): ExchangeStalledError.
         self._aq_deadline = Deadline(stall_timeout, step=lambda: self._aq_q.step)
@@ -212,9 +216,12 @@ class _PackedOptimizer(torch.optim.Optimizer):
         self._aq_buckets = [_Bucket(plan, [ordered[i] for i in plan.members],
                                     [param_names[i] for i in plan.members]) for plan in plans]
         for bucket in self._aq_buckets:
+            bucket.coding = self._aq_coding
+        for bucket in self._aq_buckets:
             for p in bucket.params:
                 self._aq_route[p] = bucket
-        self._aq_layout = layout_digest(plans, [param_names[i] for i in small])
+        self._aq_layout = layout_digest(plans, [param_names[i] for i in small],
+                                        self._aq_coding)
 
     def _aq_group_ids(self, ordered: list[torch.Tensor]) -> list[int] | None:
         """Horovod's ``groups`` as a group number per parameter of ``ordered`` (None: no groups).
@@ -391,11 +398,16 @@ class _PackedOptimizer(torch.optim.Optimizer):
             return
         refitted = q.end_step(self._aq_comm)   # counts the step; refits when due
         seconds = self._aq_wire.take_seconds() if self._aq_wire is not None else {}
+        sent = self._aq_wire.take_sent() if self._aq_wire is not None else None
         if started is not None:
             step, bits = started
+            traffic = self._aq_traffic_at(bits)
+            if sent is not None:   # the bytes this step really sent (variable sizes)
+                traffic = dataclasses.replace(traffic, **measured_traffic(
+                    traffic, sent, self._aq_small_numels, fp16=self._aq.fp16_wire,
+                    ranks=self._aq_ranks))
             rec = step_record(self._aq, step=step, ranks=self._aq_ranks, bits=bits,
-                              traffic=self._aq_traffic_at(bits), refitted=refitted,
-                              skipped=int(self._aq_skip))
+                              traffic=traffic, refitted=refitted, skipped=int(self._aq_skip))
             rec.extra.update({f"{k}_s": v for k, v in seconds.items()})
             self._aq_telemetry.record(rec)
 
@@ -512,6 +524,7 @@ def DistributedOptimizer(
     network: NetworkModel | None = None,
     telemetry: Telemetry | None = None,
     stall_timeout_s: float | None = None,
+    wire: str = "fixed",
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are averaged with the packed quantized exchange.
 
@@ -551,7 +564,11 @@ def DistributedOptimizer(
         stall_timeout_s: seconds a wait for one of the packed exchange's collectives may last
             before every stuck rank raises :class:`ExchangeStalledError` naming the collective
             (default ``$HOROVOD_AQ_STALL_TIMEOUT_S``, else 300; 0: wait forever).
+        wire: "fixed" (fixed-width codes, one payload size per bucket) or "entropy" (the
+            entropy-coded body of docs/format.md §12 where it is smaller: variable-length
+            payloads, docs/protocol.md §5.4; telemetry counts the bytes really sent).
     """
+    wire = check_wire(wire)
     compression, groups = arguments.check_horovod_args(
         optimizer, compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
         num_groups=num_groups, groups=groups, backward_passes_per_step=backward_passes_per_step)
@@ -584,7 +601,7 @@ def DistributedOptimizer(
                backward_passes_per_step=int(backward_passes_per_step), process_set=process_set,
                settings=settings, sparse_as_dense=sparse_as_dense, telemetry=telemetry, op=op,
                gradient_predivide_factor=gradient_predivide_factor, groups=groups,
-               stall_timeout=stall)
+               stall_timeout=stall, wire=wire)
 
 
 __all__ = ["BROADCAST_KEY", "ConfigMismatchError", "DEFAULT_FUSION_BYTES", "DistributedOptimizer",

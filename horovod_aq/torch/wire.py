@@ -28,7 +28,15 @@ Stages of a bucket (``Bucket.stage``)::
 Collectives go out in the order the caller calls :meth:`~Wire.submit` and :meth:`~Wire.advance`
 (``torch.distributed`` pairs them by issue order, so the DDP hook calls both from the hook, in
 bucket order; callbacks only decode). Payloads travel as lists of per-rank byte payloads with
-their sizes (:class:`Received`); today every rank's payload of a bucket has the same size.
+their sizes (:class:`Received`).
+
+**Coding** (``Bucket.coding``, the same on every rank, switchable at a step boundary):
+"fixed" payloads have one size per bucket on every rank (``Received.rows``); "entropy" payloads
+(docs/format.md §12, :mod:`horovod_aq.torch.entropy`) have data-dependent sizes, never above the
+fixed size: the collectives carry them with their sizes (docs/protocol.md §5.4 — Horovod's
+allgather reads them from the payloads' own headers, ``packed.delimit``; ``torch.distributed``
+gathers the sizes first) and the wire decodes the list of rows (``Received.row_list``) with the
+decoders of variable rows, bitwise ``codec.decode_average`` of the same rows.
 
 A bucket may carry a **presence mask** (the optimizer's: one bit per parameter appended to every
 first-phase payload, ``np.packbits`` order): parameters no rank had a gradient for are then
@@ -53,9 +61,10 @@ from horovod_aq.codec.stream import StreamKey
 from horovod_aq.packed import plan as names
 from horovod_aq.packed.chunks import chunk_zero_spans
 from horovod_aq.packed.cost import chunk_numel
+from horovod_aq.packed.delimit import payload_sizes
 from horovod_aq.packed.marker import marker_for
 from horovod_aq.packed.params import contiguous_offsets, param_at
-from horovod_aq.packed.plan import BucketPlan
+from horovod_aq.packed.plan import CODINGS, BucketPlan
 from horovod_aq.packed.receive import SKIP, check_joined, receive_outcome
 from horovod_aq.packed.send import (
     SendSteps,
@@ -65,12 +74,27 @@ from horovod_aq.packed.send import (
     sent_values,
 )
 from horovod_aq.packed.waiting import FOREVER, Deadline, wait_until
-from horovod_aq.torch import kernels, stats
+from horovod_aq.torch import entropy, kernels, stats
 
 #: What the wire times (``Wire.seconds``): encoding, decoding and averaging, waiting.
 TIMED = ("encode", "decode", "wait")
+#: What :attr:`Wire.sent` counts: bytes of this rank's first-phase payloads (all P chunk payloads
+#: in two-phase; ``packed.cost.payload_bytes_of``) and bytes it sent to other ranks (allgather:
+#: (P − 1)·size; two-phase: the P − 1 chunks for others plus (P − 1)·re-encoded size).
+SENT = ("payload_bytes", "bytes_sent")
 #: What a rank waiting for a payload collective is doing (``ExchangeStalledError``).
 EXCHANGING = "waiting for the gradient exchange"
+
+
+#: Received payloads: [P, size] rows (fixed coding) or a list of P 1-D rows (any sizes).
+Rows = torch.Tensor | list[torch.Tensor]
+
+
+def _heads(rows: Rows) -> Any:
+    """The rows' first ``HEADER_SIZE`` bytes on the host (``packed.receive`` reads them)."""
+    if isinstance(rows, list):
+        return [r[:codec.HEADER_SIZE].cpu().numpy() for r in rows]
+    return rows[:, :codec.HEADER_SIZE].cpu().numpy()
 
 
 def _peak(x: torch.Tensor) -> float:
@@ -93,8 +117,16 @@ class Received:
     def rows(self) -> torch.Tensor:
         """The payloads as [P, size] rows (a view: every rank's payload has the same size)."""
         if len(set(self.sizes)) > 1:
-            raise ValueError(f"payloads of different sizes {self.sizes} cannot be viewed as rows")
+            raise ValueError(f"payloads of different sizes {self.sizes} cannot be viewed as "
+                             "rows; use row_list()")
         return self.flat.view(len(self.sizes), -1)
+
+    def row_list(self) -> list[torch.Tensor]:
+        """The payloads as a list of 1-D views of ``flat``, one per rank (any sizes)."""
+        if sum(self.sizes) != self.flat.numel():
+            raise ValueError(f"payload sizes {self.sizes} do not add up to the "
+                             f"{self.flat.numel()} bytes received")
+        return list(torch.split(self.flat, self.sizes))
 
 
 class Pending(Protocol):
@@ -116,12 +148,18 @@ class Collectives(Protocol):
     #: Whether a rank that left (``hvd.join()``) is received as zeros.
     zero_fills_joined: bool
 
-    def allgather(self, payload: torch.Tensor, name: str,
-                  then: Callable[[Received], Any]) -> Pending:
-        """Gather every rank's ``payload``; ``then(received)`` runs once they arrived."""
+    def allgather(self, payload: torch.Tensor, name: str, then: Callable[[Received], Any], *,
+                  delimit: Callable[[np.ndarray, int], list[int]] | None = None) -> Pending:
+        """Gather every rank's ``payload``; ``then(received)`` runs once they arrived.
 
-    def alltoall(self, payloads: list[torch.Tensor], name: str) -> Pending:
-        """Send ``payloads[r]`` to rank r; ``wait()`` gives the :class:`Received` payloads."""
+        ``delimit``: None when every rank's payload has this one's size; otherwise sizes differ
+        by rank, and ``delimit(concatenation, P)`` gives them from the bytes (for a collective
+        that delivers only the concatenation; one that exchanges sizes need not call it)."""
+
+    def alltoall(self, payloads: list[torch.Tensor], name: str, *,
+                 variable: bool = False) -> Pending:
+        """Send ``payloads[r]`` to rank r; ``wait()`` gives the :class:`Received` payloads.
+        ``variable``: the sizes may differ by rank and destination (the same on every rank)."""
 
 
 class Bucket:
@@ -129,19 +167,24 @@ class Bucket:
 
     __slots__ = (
         # what it is (fixed when planned)
-        "plan", "names", "numels", "offsets", "masked",
+        "plan", "names", "numels", "offsets", "masked", "coding",
         # its exchange in the current step
         "stage", "pending", "table", "result", "skipped", "gone",
     )
 
     def __init__(self, plan: BucketPlan, names: Sequence[str], numels: Sequence[int], *,
-                 masked: bool = False) -> None:
+                 masked: bool = False, coding: str = "fixed") -> None:
         self.plan = plan
         self.names, self.numels = tuple(names), tuple(int(n) for n in numels)
         #: Where each parameter starts in the bucket (back to back, in bucket order).
         self.offsets = tuple(contiguous_offsets(self.numels))
         #: Whether first-phase payloads carry a presence mask.
         self.masked = masked
+        if coding not in CODINGS:
+            raise ValueError(f"coding must be one of {CODINGS}, got {coding!r}")
+        #: "fixed" or "entropy" (``packed.plan.CODINGS``): how payloads are coded. The same on
+        #: every rank; change it only between steps (every rank at the same step).
+        self.coding = coding
         self.reset()
 
     def reset(self) -> None:
@@ -157,6 +200,11 @@ class Bucket:
     name = property(lambda self: self.plan.name)
     numel = property(lambda self: self.plan.numel)
     mode = property(lambda self: self.plan.mode)
+
+    @property
+    def variable(self) -> bool:
+        """Whether payload sizes may differ by rank (the entropy-coded wire)."""
+        return self.coding == "entropy"
 
     @property
     def mask_bytes(self) -> int:
@@ -188,7 +236,7 @@ class Wire:
         # where
         "comm", "ranks", "rank", "stream_rank", "deadline",
         # what it tells
-        "tap", "seconds",
+        "tap", "seconds", "sent",
     )
 
     def __init__(self, compression: Any, comm: Collectives, *, stream_rank: int,
@@ -204,11 +252,26 @@ class Wire:
         self.tap: Callable[[Bucket, int, torch.Tensor, torch.Tensor], Any] | None = None
         #: Seconds spent encoding, decoding and waiting since :meth:`take_seconds`.
         self.seconds = dict.fromkeys(TIMED, 0.0)
+        #: Bytes this rank encoded and sent since :meth:`take_sent` (:data:`SENT`).
+        self.sent = dict.fromkeys(SENT, 0)
 
     def take_seconds(self) -> dict[str, float]:
         """The seconds of :attr:`seconds` since the last call, then zero."""
         out, self.seconds = self.seconds, dict.fromkeys(TIMED, 0.0)
         return out
+
+    def take_sent(self) -> dict[str, int]:
+        """The byte counts of :attr:`sent` since the last call, then zero."""
+        out, self.sent = self.sent, dict.fromkeys(SENT, 0)
+        return out
+
+    def _count(self, payloads: Sequence[torch.Tensor], *, first: bool, to_others: int) -> None:
+        """Count payloads leaving this rank (presence masks excluded, as in
+        ``packed.cost``): ``first`` ones are this rank's encoded payloads; ``to_others`` of
+        their bytes go to other ranks."""
+        if first:
+            self.sent["payload_bytes"] += sum(p.numel() for p in payloads)
+        self.sent["bytes_sent"] += to_others
 
     # ------------------------------------------------------------------ 1. submission
     def submit(self, bucket: Bucket, raw: torch.Tensor,
@@ -225,6 +288,9 @@ class Wire:
         update = None if self.memory is None else (
             lambda g, sent: self._update_memory(bucket, g, sent))
         payloads = send_bucket(raw, steps, update)
+        sizes = [p.numel() for p in payloads]
+        self._count(payloads, first=True, to_others=(P - 1) * sizes[0] if bucket.mode ==
+                    "allgather" else sum(sizes) - sizes[self.rank])
         mask = self._mask(bucket, present, raw.device)
         if mask is not None:
             payloads = [torch.cat([p, mask]) for p in payloads]
@@ -233,13 +299,21 @@ class Wire:
         else:
             assert len(payloads) == P
             bucket.stage = "a2a"
-            bucket.pending = self.comm.alltoall(payloads, names.alltoall_name(bucket.name))
+            name = names.alltoall_name(bucket.name)
+            bucket.pending = (self.comm.alltoall(payloads, name, variable=True)
+                              if bucket.variable else self.comm.alltoall(payloads, name))
 
     def _allgather(self, bucket: Bucket, payload: torch.Tensor, stage: str) -> None:
         # the stage is set first: under torch.distributed the callback may run at once
         bucket.stage = stage
-        bucket.pending = self.comm.allgather(payload, names.allgather_name(bucket.name),
-                                             lambda got: self._gathered(bucket, got))
+        name = names.allgather_name(bucket.name)
+        then = lambda got: self._gathered(bucket, got)  # noqa: E731
+        if not bucket.variable:
+            bucket.pending = self.comm.allgather(payload, name, then)
+            return
+        trailer = bucket.mask_bytes if stage == "ag" else 0
+        bucket.pending = self.comm.allgather(
+            payload, name, then, delimit=lambda flat, count: payload_sizes(flat, count, trailer))
 
     def _compensate(self, bucket: Bucket, raw: torch.Tensor) -> torch.Tensor:
         return raw if self.memory is None else self.memory.compensate(bucket.name, raw)
@@ -247,8 +321,9 @@ class Wire:
     def _update_memory(self, bucket: Bucket, raw: torch.Tensor,
                        sent: list[torch.Tensor]) -> None:
         """h ← β·h + (g − g̃), g̃ the decode of this rank's own payloads."""
+        decode = entropy.decode if bucket.variable else kernels.decode
         self.memory.update(bucket.name, raw, sent_values(
-            sent, lambda p: kernels.decode(p, bucket.table), torch.cat, bucket.numel))
+            sent, lambda p: decode(p, bucket.table), torch.cat, bucket.numel))
 
     def _first_bad(self, raw: torch.Tensor, x: torch.Tensor) -> int | None:
         q = self.q
@@ -280,9 +355,10 @@ class Wire:
         §6): a resumed run draws exactly what an uninterrupted one would."""
         q = self.q
         started = time.perf_counter()
-        payload = kernels.encode(x, bucket.table, bucket_size=q.bucket_size, norm=q.norm,
-                                 key=StreamKey(q.seed, self.stream_rank, q.step, bucket.index,
-                                               part), checksum=q.checksum)
+        encode = entropy.encode_entropy if bucket.variable else kernels.encode
+        payload = encode(x, bucket.table, bucket_size=q.bucket_size, norm=q.norm,
+                         key=StreamKey(q.seed, self.stream_rank, q.step, bucket.index, part),
+                         checksum=q.checksum)
         self.seconds["encode"] += time.perf_counter() - started
         if self.tap is not None:
             self.tap(bucket, part, x, payload)
@@ -304,15 +380,31 @@ class Wire:
             present, dtype=bool)
         return torch.from_numpy(np.packbits(bits)).to(device)
 
-    def _unmask(self, bucket: Bucket, rows: torch.Tensor) -> torch.Tensor:
+    def _unmask(self, bucket: Bucket, rows: Rows) -> Rows:
         """The payloads of masked ``rows``; records in ``bucket.gone`` the parameters that no
         rank had a gradient for."""
         k = bucket.mask_bytes
         if not k:
             return rows
-        masks = np.unpackbits(rows[:, -k:].cpu().numpy(), axis=1)[:, :len(bucket.names)]
+        if isinstance(rows, list):
+            tails = np.stack([r[-k:].cpu().numpy() for r in rows])
+            rows = [r[:-k] for r in rows]
+        else:
+            tails = rows[:, -k:].cpu().numpy()
+            rows = rows[:, :-k].contiguous()
+        masks = np.unpackbits(tails, axis=1)[:, :len(bucket.names)]
         bucket.gone = [i for i, seen in enumerate(masks.any(axis=0)) if not seen]
-        return rows[:, :-k].contiguous()
+        return rows
+
+    @staticmethod
+    def _rows(bucket: Bucket, received: Received) -> Rows:
+        """[P, size] rows (fixed coding) or a list of P rows (entropy coding)."""
+        return received.row_list() if bucket.variable else received.rows()
+
+    def _decode_average(self, bucket: Bucket, rows: Rows, numel: int) -> torch.Tensor:
+        q = self.q
+        average = entropy.decode_average if isinstance(rows, list) else kernels.decode_average
+        return average(rows, bucket.table, numel=numel, bucket_size=q.bucket_size, norm=q.norm)
 
     # ------------------------------------------------------------------ 2. two-phase stage 2
     def ready(self, bucket: Bucket) -> bool:
@@ -327,51 +419,52 @@ class Wire:
             return
         q, P = self.q, self.ranks
         collective = names.alltoall_name(bucket.name)
-        rows = self._wait(bucket, collective).rows()
+        rows = self._rows(bucket, self._wait(bucket, collective))
         if self._outcome(bucket, rows, collective) == SKIP:
             return
         rows = self._unmask(bucket, rows)
         m = chunk_numel(bucket.numel, P, q.bucket_size)
         started = time.perf_counter()
-        chunk = kernels.decode_average(rows, bucket.table, numel=m, bucket_size=q.bucket_size,
-                                       norm=q.norm)
+        chunk = self._decode_average(bucket, rows, m)
         self.seconds["decode"] += time.perf_counter() - started
         for lo, hi in chunk_zero_spans(bucket.numel, m, self.rank, bucket.spans(bucket.gone)):
             chunk[lo:hi] = 0.0
-        self._allgather(bucket, self._encode(bucket, chunk, reencode_part(P)), "ag2")
+        payload = self._encode(bucket, chunk, reencode_part(P))
+        self._count([payload], first=False, to_others=(P - 1) * payload.numel())
+        self._allgather(bucket, payload, "ag2")
 
     # ------------------------------------------------------------------ 3. the allgathers
     def _gathered(self, bucket: Bucket, received: Received) -> None:
         """The allgather's rows arrived: decide and decode (stage 3)."""
         q, collective = self.q, names.allgather_name(bucket.name)
-        rows = received.rows()
+        rows = self._rows(bucket, received)
         started = time.perf_counter()
         if bucket.stage == "ag":
             if self._outcome(bucket, rows, collective) == SKIP:
                 return
             rows = self._unmask(bucket, rows)
-            result = kernels.decode_average(rows, bucket.table, numel=bucket.numel,
-                                            bucket_size=q.bucket_size, norm=q.norm)
+            result = self._decode_average(bucket, rows, bucket.numel)
         else:
             if self.comm.zero_fills_joined:
-                check_joined(rows[:, :codec.HEADER_SIZE].cpu().numpy(), collective)
+                check_joined(_heads(rows), collective)
             m = chunk_numel(bucket.numel, self.ranks, q.bucket_size)
-            result = torch.cat([kernels.decode(row, bucket.table, numel=m,
-                                               bucket_size=q.bucket_size, norm=q.norm)
-                                for row in rows])[:bucket.numel]
+            decode = entropy.decode if bucket.variable else kernels.decode
+            result = torch.cat([decode(row, bucket.table, numel=m, bucket_size=q.bucket_size,
+                                       norm=q.norm) for row in rows])[:bucket.numel]
         for offset, numel in bucket.spans(bucket.gone):   # exact zeros where no rank had one
             result[offset:offset + numel] = 0.0
         self.seconds["decode"] += time.perf_counter() - started
         bucket.result, bucket.stage = result, "done"
 
-    def _outcome(self, bucket: Bucket, rows: torch.Tensor, collective: str) -> str:
+    def _outcome(self, bucket: Bucket, rows: Rows, collective: str) -> str:
         """``packed.receive`` on the rows' headers; a skipped bucket's result is NaN."""
-        outcome = receive_outcome(rows[:, :codec.HEADER_SIZE].cpu().numpy(),
+        outcome = receive_outcome(_heads(rows),
                                   nonfinite=self.compression.nonfinite, bucket=bucket.name,
                                   collective=collective, param_at=bucket.param_at,
                                   joined=self.comm.zero_fills_joined)
         if outcome == SKIP:
-            bucket.result = torch.full((bucket.numel,), float("nan"), device=rows.device)
+            device = rows[0].device if isinstance(rows, list) else rows.device
+            bucket.result = torch.full((bucket.numel,), float("nan"), device=device)
             bucket.skipped, bucket.stage = True, "done"
         return outcome
 
@@ -394,4 +487,4 @@ class Wire:
         return bucket.result
 
 
-__all__ = ["Bucket", "Collectives", "Pending", "Received", "TIMED", "Wire"]
+__all__ = ["Bucket", "Collectives", "Pending", "Received", "SENT", "TIMED", "Wire"]
