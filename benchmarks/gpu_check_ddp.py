@@ -5,13 +5,14 @@ spawns one process per GPU (at most ``--ranks``; with one GPU a single-rank NCCL
 still runs the CUDA kernels, NCCL's uint8/float64/int64 collectives and the futures, but no
 averaging across ranks) and checks:
 
-1. **oracle**: DDP with ``ALQ(bits=3)`` (refits after steps 0 and 2), allgather and two-phase:
+1. **oracle**: DDP with ``ALQ(bits=3)`` (refits after steps 0 and 2), allgather and two-phase,
+   fixed-width and entropy-coded wire (``wire="entropy"``, the same codes):
    the gradients DDP applies equal the numpy codec's encode → decode_average of every rank's
    bucket with the format's stream keys, bit for bit; the table versions advance at the
    scheduled steps identically on every rank; DDP's bucket rebuild is followed;
 2. **markers**: a NaN gradient with ``nonfinite="skip"`` gives NaN for its bucket on every rank
    and the next step trains;
-3. **step time**: a 25M-parameter MLP, median step (forward + backward + SGD step) with DDP's own
+3. **step time**: a 29M-parameter MLP, median step (forward + backward + SGD step) with DDP's own
    fp32 allreduce and with the ALQ 3-bit hook (CUDA events around the step).
 
     python benchmarks/gpu_check_ddp.py --out benchmarks/results/gpu_ddp.md
@@ -66,7 +67,7 @@ def _batch(torch, sizes, rank, step, device, n=32):
     return x.to(device), (x[:, 0] > 0).long().to(device)
 
 
-def oracle_run(torch, device, exchange, steps):
+def oracle_run(torch, device, exchange, steps, wire="fixed"):
     """Train with the hook; log every unit's input (CPU copies) and the applied gradients."""
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -79,7 +80,7 @@ def oracle_run(torch, device, exchange, steps):
     net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=0.5)
     comp = horovod_aq.ALQ(bits=3, bucket_size=BUCKET, seed=SEED, schedule="0,2,0")
-    state = aqddp.register(net, comp, exchange=exchange)
+    state = aqddp.register(net, comp, exchange=exchange, wire=wire)
     from tests.ranks import record_ddp_submits
 
     log = []
@@ -131,7 +132,7 @@ def skip_run(torch, device):
     return {"steps": out, "finite": finite}
 
 
-def timing_run(torch, device, sizes, steps, hook):
+def timing_run(torch, device, sizes, steps, hook, wire="fixed"):
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -142,7 +143,7 @@ def timing_run(torch, device, sizes, steps, hook):
     model = _model(torch, sizes).to(device)
     net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if hook:
-        aqddp.register(net, horovod_aq.ALQ(bits=3, bucket_size=8192))
+        aqddp.register(net, horovod_aq.ALQ(bits=3, bucket_size=8192), wire=wire)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = _batch(torch, sizes, dist.get_rank(), 0, device, n=64)
     times = []
@@ -181,13 +182,20 @@ def rank_main(rank, world, port, args, outdir):
                                                                args.steps)),
                      ("oracle_two_phase", lambda: oracle_run(torch, device, "two_phase",
                                                                args.steps)),
+                     ("oracle_allgather_entropy", lambda: oracle_run(
+                         torch, device, "allgather", args.steps, wire="entropy")),
+                     ("oracle_two_phase_entropy", lambda: oracle_run(
+                         torch, device, "two_phase", args.steps, wire="entropy")),
                      ("skip", lambda: skip_run(torch, device)),
                      ("time_fp32", lambda: timing_run(
                          torch, device, ORACLE_SIZES if args.dry_run else TIMING_SIZES,
                          args.timing_steps, hook=False)),
                      ("time_alq3", lambda: timing_run(
                          torch, device, ORACLE_SIZES if args.dry_run else TIMING_SIZES,
-                         args.timing_steps, hook=True))):
+                         args.timing_steps, hook=True)),
+                     ("time_alq3_entropy", lambda: timing_run(
+                         torch, device, ORACLE_SIZES if args.dry_run else TIMING_SIZES,
+                         args.timing_steps, hook=True, wire="entropy"))):
         started = time.perf_counter()
         try:
             outcome[name] = ("ok", fn(), time.perf_counter() - started)
@@ -273,7 +281,8 @@ def main() -> int:
         total = time.perf_counter() - started
 
     lines, failed = [], False
-    for name in ("oracle_allgather", "oracle_two_phase"):
+    for name in ("oracle_allgather", "oracle_two_phase", "oracle_allgather_entropy",
+                 "oracle_two_phase_entropy"):
         errs = [o[name][1] for o in gathered if o[name][0] != "ok"]
         if errs:
             problems = ["error:\n```\n" + errs[0][-3000:] + "\n```"]
@@ -296,7 +305,7 @@ def main() -> int:
         failed |= not ok
         lines.append(f"| skip | {'PASS' if ok else 'FAIL'} | {[s[1] for s in skips]} |")
     timing = []
-    for name in ("time_fp32", "time_alq3"):
+    for name in ("time_fp32", "time_alq3", "time_alq3_entropy"):
         outs = [o[name] for o in gathered]
         if any(o[0] != "ok" for o in outs):
             failed = True

@@ -73,12 +73,13 @@ def test_the_triton_entropy_encoder_writes_the_oracles_payload(bits, n, bucket, 
     x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
     key = StreamKey(3, 1, 5, 2, 0)
     want = codec.encode_entropy(x, table, bucket_size=bucket, key=key, checksum=checksum)
-    got = entropy.encode_entropy_triton(torch.from_numpy(x), table, bucket_size=bucket, key=key,
-                                        checksum=checksum)
-    assert np.array_equal(got.numpy(), want)
+    got = entropy.encode_entropy_triton(torch.from_numpy(x).to(DEVICE), table,
+                                        bucket_size=bucket, key=key, checksum=checksum)
+    assert got.device.type == DEVICE.type and np.array_equal(got.cpu().numpy(), want)
     assert bool(want[codec.FLAGS_OFFSET] & codec.FLAG_ENTROPY) == (n > 100)
     # the default path (the compiled CPU kernel for a CPU tensor) writes the same bytes
     cpu = entropy.encode_entropy(torch.from_numpy(x), table, bucket_size=bucket, key=key,
                                  checksum=checksum)
     assert np.array_equal(cpu.numpy(), want)
-    np.testing.assert_array_equal(entropy.decode(got, table).numpy(), codec.decode(want, table))
+    np.testing.assert_array_equal(entropy.decode(got, table).cpu().numpy(),
+                                  codec.decode(want, table))
