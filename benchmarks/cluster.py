@@ -29,7 +29,9 @@ model (same initial weights):
 * ``hvd_fp16`` — ``hvd.DistributedOptimizer(..., compression=hvd.Compression.fp16)``;
 * ``alq3_allgather`` / ``alq3_two_phase`` — ``horovod_aq.torch.DistributedOptimizer`` with
   ``horovod_aq.ALQ(bits=3)`` (bucket 8192, default refit schedule) and ``exchange=``
-  "allgather" / "two_phase".
+  "allgather" / "two_phase";
+* ``alq3_allgather_entropy`` / ``alq3_two_phase_entropy`` — the same with the entropy-coded
+  wire (``wire="entropy"``, docs/format.md §12, docs/protocol.md §5.4).
 
 **Measurement.** Modes are interleaved in rounds (round r runs ``--steps`` steps of every mode in
 turn), so slow drifts of the machine's load hit all modes alike; round 0 is warm-up (handshakes,
@@ -71,6 +73,8 @@ MODES = {
     "hvd_fp16": "Horovod allreduce fp16 (Compression.fp16)",
     "alq3_allgather": "horovod_aq ALQ 3-bit, packed, allgather",
     "alq3_two_phase": "horovod_aq ALQ 3-bit, packed, two-phase",
+    "alq3_allgather_entropy": "horovod_aq ALQ 3-bit, packed, allgather, entropy-coded",
+    "alq3_two_phase_entropy": "horovod_aq ALQ 3-bit, packed, two-phase, entropy-coded",
 }
 #: Environment of every rank: one compute thread, quiet TensorFlow, no stall warnings.
 RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
@@ -155,10 +159,11 @@ def worker(cfg: dict) -> None:
         if mode == "hvd_fp16":
             return model, hvd.DistributedOptimizer(base, named_parameters=named,
                                                    compression=hvd.Compression.fp16)
-        exchange = {"alq3_allgather": "allgather", "alq3_two_phase": "two_phase"}[mode]
+        exchange = "two_phase" if "two_phase" in mode else "allgather"
+        wire = "entropy" if mode.endswith("_entropy") else "fixed"
         comp = horovod_aq.ALQ(bits=cfg["bits"], bucket_size=cfg["bucket_size"], name=mode)
         return model, aqt.DistributedOptimizer(base, named_parameters=named, compression=comp,
-                                               exchange=exchange)
+                                               exchange=exchange, wire=wire)
 
     modes = cfg["modes"]
     built = {m: build(m) for m in modes}

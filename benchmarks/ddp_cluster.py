@@ -21,7 +21,9 @@ weights, DDP's default 25 MB buckets):
   Gloo run in network order, and with two buckets the ranks issued them in different orders
   (Gloo: "Received data size doesn't match expected size");
 * ``alq3`` — ``horovod_aq.torch.ddp`` with ``ALQ(bits=3)``, bucket 8192, ``exchange="auto"``
-  (allgather at 2 hosts, two-phase at 4).
+  (allgather at 2 hosts, two-phase at 4);
+* ``alq3_entropy`` — the same on the entropy-coded wire (``wire="entropy"``, docs/protocol.md
+  §5.4).
 
 **Measurement** as ``benchmarks/cluster.py``: modes interleaved in rounds, round 0 untimed; a
 step is zero_grad + forward + backward + ``opt.step()``; its time is the maximum over the ranks
@@ -55,6 +57,7 @@ MODES = {
     "powersgd_r2": "DDP PowerSGD hook, rank 2",
     "powersgd_r4": "DDP PowerSGD hook, rank 4",
     "alq3": "horovod_aq ALQ 3-bit hook (auto exchange)",
+    "alq3_entropy": "horovod_aq ALQ 3-bit hook (auto exchange), entropy-coded",
 }
 RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1"}
@@ -110,9 +113,10 @@ def worker(cfg: dict) -> None:
                 process_group=None, matrix_approximation_rank=int(mode[-1]),
                 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
             net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        elif mode == "alq3":
+        elif mode.startswith("alq3"):
             comp = horovod_aq.ALQ(bits=cfg["bits"], bucket_size=cfg["bucket_size"], name=mode)
-            state = aqddp.register(net, comp, exchange="auto")
+            state = aqddp.register(net, comp, exchange="auto",
+                                   wire="entropy" if mode.endswith("_entropy") else "fixed")
         return model, net, torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9), state
 
     modes = cfg["modes"]
@@ -143,7 +147,7 @@ def worker(cfg: dict) -> None:
     expected = {}
     for mode in modes:
         state = built[mode][3]
-        if mode == "alq3":
+        if mode.startswith("alq3"):
             last = state.telemetry.last
             expected[mode] = {"bytes_sent": last.bytes_sent, "exchanges": dict(last.exchanges),
                               "buckets": len(state.buckets),
@@ -231,7 +235,7 @@ def format_config(summary: dict, modes: list[str]) -> str:
         m = summary[mode]
         exp = m["expected"]["bytes_sent"]
         note = ""
-        if mode == "alq3":
+        if mode.startswith("alq3"):
             e = m["expected"]
             note = (f"{', '.join(f'{v} {k}' for k, v in e['exchanges'].items())}; "
                     f"{e['bits_per_coordinate']:.2f} bits/coord; table v{e['table_version']}")
