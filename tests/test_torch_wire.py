@@ -164,12 +164,9 @@ def test_error_feedback_memory_is_what_the_rank_did_not_send():
                                    grads[r] - g_hat, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["allgather", "two_phase"])
-def test_a_marker_names_rank_and_parameter_on_every_rank(mode):
-    P = 3
-    _, ranks = _ranks(P, mode, _qsgd)
-    grads = _grads(P)
-    grads[2][45] = np.nan                     # parameter "b" occupies elements 40..46
+def _marker_errors(ranks, grads):
+    """Every rank submits its gradient; the NonFiniteGradientError message each one's finish
+    raises."""
     errors = []
     for (comp, wire, bucket), g in zip(ranks, grads):
         wire.submit(bucket, torch.from_numpy(g))
@@ -177,6 +174,16 @@ def test_a_marker_names_rank_and_parameter_on_every_rank(mode):
         with pytest.raises(codec.NonFiniteGradientError) as err:
             wire.finish(bucket)
         errors.append(str(err.value))
+    return errors
+
+
+@pytest.mark.parametrize("mode", ["allgather", "two_phase"])
+def test_a_marker_names_rank_and_parameter_on_every_rank(mode):
+    P = 3
+    _, ranks = _ranks(P, mode, _qsgd)
+    grads = _grads(P)
+    grads[2][45] = np.nan                     # parameter "b" occupies elements 40..46
+    errors = _marker_errors(ranks, grads)
     assert len(set(errors)) == 1 and "on rank 2" in errors[0] and "'b'" in errors[0]
 
 
@@ -300,13 +307,7 @@ def test_a_marker_among_entropy_payloads_names_rank_and_parameter(mode):
     _, ranks = _ranks(P, mode, _qsgd, coding="entropy", numels=BIG, masked=True)
     grads = _grads(P, numels=BIG)
     grads[1][4003] = np.inf                   # parameter "b" occupies elements 4000..4006
-    errors = []
-    for (comp, wire, bucket), g in zip(ranks, grads):
-        wire.submit(bucket, torch.from_numpy(g))
-    for comp, wire, bucket in ranks:
-        with pytest.raises(codec.NonFiniteGradientError) as err:
-            wire.finish(bucket)
-        errors.append(str(err.value))
+    errors = _marker_errors(ranks, grads)
     assert len(set(errors)) == 1 and "on rank 1" in errors[0] and "'b'" in errors[0]
 
 
