@@ -146,7 +146,8 @@ class QuantizedHookState:
             docs/protocol.md §5.4) or "auto" (the first steps measure the collectives and
             codecs, then every rank takes the coding — and with ``exchange="auto"`` the mode —
             rank 0 chose per bucket from the fitted link model, docs/protocol.md §5.5; one log
-            line); an ``horovod_aq.packed.autowire.AutoWire`` sets the measurement's schedule.
+            line; the default); an ``horovod_aq.packed.autowire.AutoWire`` sets the
+            measurement's schedule.
             Kept in :attr:`coding`, which may be changed between steps (the same on every rank;
             a change measures again); :attr:`autowire` shows the decision, which
             :meth:`state_dict` holds.
@@ -167,7 +168,7 @@ class QuantizedHookState:
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  exchange: str = "auto", network: NetworkModel | None = None,
                  telemetry: Telemetry | None = None, name: str | None = None,
-                 stall_timeout_s: float | None = None, wire: Any = "fixed") -> None:
+                 stall_timeout_s: float | None = None, wire: Any = "auto") -> None:
         compression = NoCompression() if compression is None else compression
         check_wire(wire)
         check_compression(compression, "torch.distributed.algorithms.ddp_comm_hooks")

@@ -122,7 +122,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
                  settings: ExchangeSettings, sparse_as_dense: bool,
                  telemetry: Telemetry | None, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, groups: Any = None,
-                 stall_timeout: float | None = None, wire: Any = "fixed") -> None:
+                 stall_timeout: float | None = None, wire: Any = "auto") -> None:
         self._aq = compression
         self._aq_q = compression.quantizer          # table, bits, step, refits
         self._aq_settings = settings
@@ -568,7 +568,7 @@ def DistributedOptimizer(
     network: NetworkModel | None = None,
     telemetry: Telemetry | None = None,
     stall_timeout_s: float | None = None,
-    wire: Any = "fixed",
+    wire: Any = "auto",
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are averaged with the packed quantized exchange.
 
@@ -613,7 +613,7 @@ def DistributedOptimizer(
             payloads, docs/protocol.md §5.4; telemetry counts the bytes really sent) or "auto":
             the first steps measure the collectives and codecs, then every rank takes the
             coding (and with ``exchange="auto"`` the mode) that rank 0 chose per bucket from
-            the fitted link model (docs/protocol.md §5.5; one log line). An
+            the fitted link model (docs/protocol.md §5.5; one log line; the default). An
             ``horovod_aq.packed.autowire.AutoWire`` sets the measurement's schedule
             (``AutoWire("auto", warmup_steps=2, measure_steps=8)``). The decision is in
             :meth:`state_dict` (``"horovod_aq_wire"``); :attr:`autowire` shows it.
