@@ -291,6 +291,63 @@ def resume(k=3, m=4, **setup):
             "steps": (comp.quantizer.step, comp2.quantizer.step), "losses": resumed_losses}
 
 
+#: wire="auto" in the launch: warm-up W = 1 (DDP's first, single-bucket step), measurement K = 4.
+AUTO_WARMUP, AUTO_MEASURE = 1, 4
+
+
+def auto_wire(steps=12, resumed_steps=3):
+    """wire=AutoWire("auto", warmup_steps=1, measure_steps=4): ALQ 3-bit (refits at steps 0
+    and 4) trains; every unit's coding at every step (tapped), the decision on every rank and
+    the autowire log lines; then a fresh model, DDP and hook loaded from the state_dicts train
+    on with the decided wire at once."""
+    import io
+    import logging
+
+    import torch
+
+    from horovod_aq.packed.autowire import AutoWire
+
+    lines = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    log = logging.getLogger("horovod_aq.packed.autowire")
+    log.addHandler(Lines(logging.INFO))
+    log.setLevel(logging.INFO)
+
+    def build(seed):
+        model, net, comp, state, opt = _setup(
+            seed=seed, schedule="0,4,0",
+            wire=AutoWire("auto", warmup_steps=AUTO_WARMUP, measure_steps=AUTO_MEASURE))
+        codings = []
+        state.wire.tap = lambda u, part, values, payload: codings.append(
+            (u.step, u.index, u.coding, u.mode)) if part == 0 else None
+        return model, net, comp, state, opt, codings
+
+    model, net, comp, state, opt, codings = build(0)
+    versions = []
+    losses = _train(net, opt, steps, after=lambda step: versions.append(comp.table.version))
+    decision = state.autowire.decision
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "hook": state.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    model2, net2, comp2, state2, opt2, codings2 = build(1)
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    state2.load_state_dict(saved["hook"])
+    restored = state2.autowire.decision
+    resumed = _train(net2, opt2, resumed_steps, first=steps)
+    return {"codings": codings, "decision": decision.to_array().tolist(),
+            "decided": decision.decided, "lines": [m for m in lines if "wire from step" in m],
+            "losses": losses, "versions": versions, "units": len(state.layout),
+            "bits": [r.bits_per_coordinate for r in state.telemetry.history],
+            "restored": restored.to_array().tolist(), "resumed_codings": codings2,
+            "resumed_losses": resumed}
+
+
 def skip_nonfinite():
     """nonfinite="skip": a NaN on rank 1 gives NaN for its bucket on every rank, then training
     goes on."""
@@ -382,7 +439,8 @@ CHECKS = {
         ("skip_nonfinite", {}), ("mismatch", {}), ("raise_nonfinite", {}),
         ("oracle[entropy]", {"wire": "entropy", "steps": 3}),
         ("oracle[entropy_two_phase]", {"exchange": "two_phase", "wire": "entropy", "steps": 3}),
-        ("raise_nonfinite[entropy_two_phase]", {"exchange": "two_phase", "wire": "entropy"})],
+        ("raise_nonfinite[entropy_two_phase]", {"exchange": "two_phase", "wire": "entropy"}),
+        ("auto_wire", {})],
     4: [("oracle", {"exchange": "two_phase", "steps": 3}), ("oracle[allgather]",
                                                             {"exchange": "allgather", "steps": 2}),
         ("unbiased", {"exchange": "two_phase", "steps": 150}),
@@ -675,3 +733,44 @@ def test_hook_state_is_built_before_the_process_group(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "before init: True" in proc.stdout
     assert "steps 2 ranks 1 records 2" in proc.stdout, proc.stdout
+
+
+@pytest.mark.reads("auto_wire")
+def test_auto_wire_measures_decides_alike_switches_and_keeps_its_decision(results):
+    """wire="auto": the schedule's codings (fixed in the warm-up, alternating while measuring),
+    one agreed decision on every rank (one log line, on rank 0) used from the decision step,
+    training goes on, and the hook's state_dict brings the decision back."""
+    from horovod_aq.packed.autowire import WireDecision
+
+    ranks = _get(results, "auto_wire")
+    first = ranks[0]
+    for r in ranks:
+        np.testing.assert_array_equal(r["decision"], first["decision"])
+        assert r["decided"]
+    decision = WireDecision.from_array(first["decision"])
+    start = AUTO_WARMUP + AUTO_MEASURE
+    assert decision.step == start and decision.link is not None
+    assert len(decision.choices) == first["units"] == 3          # DDP's rebuilt buckets
+    for r in ranks:
+        for t, i, coding, mode in r["codings"]:
+            if t < AUTO_WARMUP:
+                want = "fixed"
+            elif t < start:
+                want = ("fixed", "entropy")[(t + i) % 2]
+            else:
+                want = decision.choices[i].coding
+                assert mode == decision.choices[i].mode
+            assert coding == want, (t, i, coding)
+        assert {c for t, _, c, _ in r["codings"] if AUTO_WARMUP <= t < start} == {
+            "fixed", "entropy"}
+        assert max(t for t, _, _, _ in r["codings"]) == 11
+    assert len(first["lines"]) == 1 and f"wire from step {start}" in first["lines"][0]
+    assert all(not r["lines"] for r in ranks[1:])
+    for r in ranks:
+        assert np.mean(r["losses"][-3:]) < np.mean(r["losses"][:3])
+        assert r["versions"][0] < r["versions"][-1]
+        np.testing.assert_array_equal(r["restored"], first["decision"])
+        assert {t for t, _, _, _ in r["resumed_codings"]} == {12, 13, 14}
+        for t, i, coding, _ in r["resumed_codings"]:
+            assert coding == decision.choices[i].coding
+        assert np.isfinite(r["resumed_losses"]).all()

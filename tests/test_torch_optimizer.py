@@ -408,10 +408,85 @@ def entropy_training(steps: int = 40):
     return out
 
 
+#: wire="auto" in the launches: warm-up W = 1, measurement K = 4 (decided from step 5).
+AUTO_WARMUP, AUTO_MEASURE = 1, 4
+
+
+def _log_lines(name: str) -> list:
+    """The INFO-and-above messages of logger ``name`` from now on (a handler on it)."""
+    import logging
+
+    lines = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    logger = logging.getLogger(name)
+    logger.addHandler(Lines(logging.INFO))
+    logger.setLevel(logging.INFO)
+    return lines
+
+
+def auto_wire(steps: int = 12, resumed_steps: int = 3):
+    """wire=AutoWire("auto", warmup_steps=1, measure_steps=4): ALQ 3-bit (refits at steps 0
+    and 4) trains on one batch per rank; every bucket's coding at every step (tapped), the
+    decision on every rank and the autowire log lines. Then a fresh optimizer loads the
+    state_dict and trains on with the decided wire at once."""
+    torch, hvd = init_torch()
+    import torch.nn.functional as F
+
+    import horovod_aq
+    import horovod_aq.torch as aqt
+    from horovod_aq.packed.autowire import AutoWire
+
+    lines = _log_lines("horovod_aq.packed.autowire")
+    x, y = _batch(torch, hvd.rank())
+
+    def build(seed):
+        model = tiny_model(torch, seed, sizes=ENTROPY_SIZES)
+        comp = horovod_aq.ALQ(bits=3, bucket_size=BUCKET, seed=7, schedule="0,4,0")
+        opt = aqt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), comp,
+            fusion_bytes=ENTROPY_FUSION,
+            wire=AutoWire("auto", warmup_steps=AUTO_WARMUP, measure_steps=AUTO_MEASURE))
+        codings = []
+        opt.wire.tap = lambda b, part, values, payload: codings.append(
+            (b.step, b.index, b.coding)) if part == 0 else None
+        return model, opt, codings
+
+    def train(model, opt, n):
+        losses = []
+        for _ in range(n):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    model, opt, codings = build(0)
+    losses = train(model, opt, steps)
+    decision = opt.autowire.decision
+    saved = opt.state_dict()
+    model2, opt2, codings2 = build(1)
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(saved)
+    restored = opt2.autowire.decision
+    resumed = train(model2, opt2, resumed_steps)
+    return {"codings": codings, "decision": decision.to_array().tolist(),
+            "decided": decision.decided, "decision_step": opt.autowire.decision_step,
+            "lines": [m for m in lines if "wire from step" in m], "losses": losses,
+            "versions": [r.table_version for r in opt.telemetry.history],
+            "bits": [r.bits_per_coordinate for r in opt.telemetry.history],
+            "buckets": opt.buckets, "saved": saved["horovod_aq_wire"],
+            "restored": restored.to_array().tolist(), "resumed_codings": codings2,
+            "resumed_losses": resumed}
+
+
 TWO_RANK_CHECKS = [oracle_allgather, oracle_two_phase, oracle_accumulate, unbiased_two_phase,
                    refit_tables, checkpoint_resume, train_fp32, train_alq_packed, train_alq_stock,
                    dqsgd_bits_agree, ecq_packed, settings_mismatch_detected,
-                   version_mismatch_refused, entropy_wire, entropy_training]
+                   version_mismatch_refused, entropy_wire, entropy_training, auto_wire]
 FOUR_RANK_CHECKS = [oracle_allgather, oracle_two_phase, refit_tables, process_sets_split,
                     settings_mismatch_detected]
 
@@ -682,3 +757,48 @@ def test_entropy_wire_trains_adapts_and_sends_fewer_bytes(launch):
         assert np.mean(coded["bits"]) < np.mean(fixed["bits"])
         assert np.mean(coded["losses"][-10:]) < np.mean(coded["losses"][:10])
         assert coded["losses"] == fixed["losses"]    # the same codes: the same training, bitwise
+
+
+# ---------------------------------------------------------------- wire="auto"
+def _schedule_coding(step, index, decision):
+    """The coding the wire="auto" schedule gives bucket ``index`` at ``step`` (first step 0)."""
+    if step < AUTO_WARMUP:
+        return "fixed"
+    if step < AUTO_WARMUP + AUTO_MEASURE:
+        return ("fixed", "entropy")[(step + index) % 2]
+    return decision.choices[index].coding
+
+
+@pytest.mark.reads("auto_wire")
+def test_auto_wire_measures_decides_alike_switches_and_keeps_its_decision(launch):
+    from horovod_aq.packed.autowire import WireDecision
+
+    results = _get(launch, auto_wire)
+    first = results[0]
+    for r in results:   # every rank installed the root's vector
+        np.testing.assert_array_equal(r["decision"], first["decision"])
+        assert r["decided"] and r["decision_step"] == AUTO_WARMUP + AUTO_MEASURE
+    decision = WireDecision.from_array(first["decision"])
+    assert decision.step == AUTO_WARMUP + AUTO_MEASURE and decision.link is not None
+    assert len(decision.choices) == len(first["buckets"]) == 2
+    assert [c.mode for c in decision.choices] == ["allgather"] * 2     # P = 2: allgather only
+    for r in results:   # the schedule, then the decision, from the decision step on
+        steps = sorted({t for t, _, _ in r["codings"]})
+        assert steps == list(range(12))
+        for t, i, coding in r["codings"]:
+            assert coding == _schedule_coding(t, i, decision), (t, i, coding)
+        assert {c for t, _, c in r["codings"] if AUTO_WARMUP <= t < decision.step} == {
+            "fixed", "entropy"}
+    assert len(first["lines"]) == 1 and "wire from step 5" in first["lines"][0]
+    assert all(not r["lines"] for r in results[1:])        # one log line, on rank 0
+    for r in results:   # training goes on: the loss falls, the refit at step 4 advanced the table
+        assert np.mean(r["losses"][-3:]) < np.mean(r["losses"][:3])
+        assert r["versions"][0] < r["versions"][-1]
+        assert all(b > 0 for b in r["bits"])
+    for r in results:   # state_dict round trip: the same decision, used at once
+        assert r["saved"]["wire"] == "auto"
+        np.testing.assert_array_equal(r["restored"], first["decision"])
+        assert {t for t, _, _ in r["resumed_codings"]} == {12, 13, 14}
+        for t, i, coding in r["resumed_codings"]:
+            assert coding == decision.choices[i].coding
+        assert np.isfinite(r["resumed_losses"]).all()

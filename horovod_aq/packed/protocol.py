@@ -30,13 +30,15 @@ import numpy as np
 
 from horovod_aq.compressors.base import Compressor
 from horovod_aq.error_feedback import ErrorFeedback
+from horovod_aq.packed.autowire import AutoWire
+from horovod_aq.packed.choice import WIRES
 from horovod_aq.packed.cost import (
     EXCHANGES,
     NetworkModel,
     bytes_sent,
     payload_bytes_of,
 )
-from horovod_aq.packed.plan import CODINGS, DEFAULT_FUSION_BYTES, BucketPlan, handshake_name
+from horovod_aq.packed.plan import DEFAULT_FUSION_BYTES, BucketPlan, handshake_name
 from horovod_aq.telemetry import StepRecord
 
 #: Start of the non-finite error's message (TensorFlow translates graph assertions by it).
@@ -98,13 +100,18 @@ def check_exchange_args(*, exchange: Any = "auto", fusion_bytes: Any = DEFAULT_F
                               "uncompressed)")
 
 
-def check_wire(wire: Any) -> str:
+def check_wire(wire: Any) -> Any:
     """The ``wire=`` argument of the packed exchanges (Horovod optimizer, DDP hook): one of
-    ``packed.plan.CODINGS``; a ``ValueError`` that says what to pass otherwise."""
-    if not isinstance(wire, str) or wire not in CODINGS:
-        raise ValueError(f"wire must be one of {CODINGS}, got {wire!r}: pass wire='fixed' "
-                         "(fixed-width codes) or wire='entropy' (entropy-coded, "
-                         "variable-length payloads)")
+    ``packed.choice.WIRES`` ("auto", or a coding of ``packed.plan.CODINGS``), or an
+    :class:`~horovod_aq.packed.autowire.AutoWire` (its setting and schedule); a ``ValueError``
+    that says what to pass otherwise."""
+    if isinstance(wire, AutoWire):
+        return wire
+    if not isinstance(wire, str) or wire not in WIRES:
+        raise ValueError(f"wire must be one of {WIRES}, got {wire!r}: pass wire='fixed' "
+                         "(fixed-width codes), wire='entropy' (entropy-coded, variable-length "
+                         "payloads), wire='auto' (measured in the first steps, then decided "
+                         "per bucket) or an AutoWire (auto with its own schedule)")
     return wire
 
 

@@ -3,8 +3,9 @@
 
 * :func:`state_dict` — the wrapped optimizer's state plus the compressor's under
   ``"horovod_aq"``; with error feedback and more than one rank it gathers every rank's memory
-  (collective, through the optimizer's one ``Comm``). :func:`load_state_dict` checks
-  everything before it changes anything.
+  (collective, through the optimizer's one ``Comm``), and the wire setting's state under
+  :data:`WIRE_KEY` (``wire="auto"``: the agreed decision, so a resumed job keeps it).
+  :func:`load_state_dict` checks everything before it changes anything.
 * Called from ``hvd.broadcast_optimizer_state``, ``state_dict()`` is local on every rank and
   carries the compressor state as the option :data:`BROADCAST_KEY` of the first param group
   (:func:`broadcast_state_dict`). Horovod broadcasts param-group options from the root and
@@ -44,6 +45,8 @@ logger = logging.getLogger(__name__)
 BROADCAST_KEY = "horovod_aq"
 #: Horovod's ``broadcast_optimizer_state``, recognized on the stack by its code object.
 _BROADCAST_CODE = _hvd_functions.broadcast_optimizer_state.__code__
+#: The key of the wire setting's state (``wire="auto"``'s decision) in ``state_dict()``.
+WIRE_KEY = "horovod_aq_wire"
 #: How many frames above ``state_dict()`` are searched for it (Horovod calls it directly).
 _BROADCAST_DEPTH = 4
 
@@ -117,6 +120,7 @@ def state_dict(opt: Any) -> dict[str, Any]:
     world = opt._aq_ranks if opt._aq_active else 1
     state[BROADCAST_KEY] = collective_state_dict(
         opt._aq, [(b.name, b.numel) for b in opt._aq_buckets], world, opt._aq_comm.allgather)
+    state[WIRE_KEY] = opt._aq_wire_setting.state_dict()
     return state
 
 
@@ -126,6 +130,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         adopt_broadcast(opt)
     state = dict(state_dict)
     aq_state = state.pop(BROADCAST_KEY, None)
+    wire_state = state.pop(WIRE_KEY, None)
     check_param_groups(opt.param_groups, state)
     before = None
     if aq_state is not None:
@@ -144,6 +149,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         raise
     watch_broadcasts(opt)
     opt._aq_reset_step()
+    opt._aq_load_wire(wire_state)
     opt._aq_checked = False
     opt._aq_ckpt.loaded = aq_state
 
@@ -175,7 +181,12 @@ def broadcast_state_dict(opt: Any, frame: FrameType) -> dict[str, Any]:
     ckpt.frame = None
     if state["param_groups"]:
         compression = ckpt.loaded if ckpt.loaded is not None else opt._aq.state_dict()
-        ckpt.outgoing = {"exchange": opt._aq_prefix, "state": compression, "installed": False}
+        # the root ships its wire state and takes it as every receiver will (an unfinished
+        # measurement restarts on every rank at the same step)
+        wire = opt._aq_wire_setting.state_dict()
+        opt._aq_load_wire(wire)
+        ckpt.outgoing = {"exchange": opt._aq_prefix, "state": compression, "installed": False,
+                         "wire": wire}
         state["param_groups"][0] = {**state["param_groups"][0], BROADCAST_KEY: ckpt.outgoing}
     return state
 
@@ -188,7 +199,7 @@ def arrived(opt: Any, shipped: Any) -> None:
             or shipped.get("installed") or shipped.get("exchange") != opt._aq_prefix
             or opt._aq_started is not None):
         return
-    install(opt, shipped["state"])
+    install(opt, shipped["state"], shipped.get("wire"))
     shipped["installed"] = True
 
 
@@ -204,18 +215,19 @@ def adopt_broadcast(opt: Any) -> None:
         return
     if (isinstance(shipped, dict) and shipped is not opt._aq_ckpt.outgoing
             and not shipped.get("installed") and shipped.get("exchange") == opt._aq_prefix):
-        install(opt, shipped["state"])
+        install(opt, shipped["state"], shipped.get("wire"))
     opt._aq_ckpt.outgoing = None
     opt._aq_reset_step()
     opt._aq_ckpt.loaded = None
     opt._aq_checked = False
 
 
-def install(opt: Any, shipped: dict[str, Any]) -> None:
-    """Install a compressor state broadcast from the root (the same on every rank). Each rank
-    keeps its own random streams and, unless the root shipped a loaded checkpoint holding every
-    rank's, its own error memory. A state saved with other settings is not installed (warning):
-    the handshake then stops every rank with the settings of each."""
+def install(opt: Any, shipped: dict[str, Any], wire: dict[str, Any] | None = None) -> None:
+    """Install a compressor state broadcast from the root (the same on every rank), and the
+    root's wire state (``wire``). Each rank keeps its own random streams and, unless the root
+    shipped a loaded checkpoint holding every rank's, its own error memory. A state saved with
+    other settings is not installed (warning): the handshake then stops every rank with the
+    settings of each."""
     comp = opt._aq
     own = comp.state_dict()
     keep = ("framework",)
@@ -227,6 +239,7 @@ def install(opt: Any, shipped: dict[str, Any]) -> None:
     except (ValueError, KeyError, TypeError) as exc:
         logger.warning("%s: not adopting the compressor state broadcast by "
                        "broadcast_optimizer_state: %s", comp.name, exc)
+    opt._aq_load_wire(wire)
     opt._aq_ckpt.loaded = None
     opt._aq_checked = False
 
@@ -268,5 +281,6 @@ def check_param_groups(groups: list[dict[str, Any]], state: dict[str, Any]) -> N
                          "size of optimizer's group")
 
 
-__all__ = ["BROADCAST_KEY", "BroadcastGroup", "Checkpoint", "adopt_broadcast", "arrived",
-           "broadcast_frame", "install", "load_state_dict", "state_dict", "watch_broadcasts"]
+__all__ = ["BROADCAST_KEY", "BroadcastGroup", "Checkpoint", "WIRE_KEY", "adopt_broadcast",
+           "arrived", "broadcast_frame", "install", "load_state_dict", "state_dict",
+           "watch_broadcasts"]

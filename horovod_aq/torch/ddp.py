@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from horovod_aq.compressors import NoCompression
 from horovod_aq.error_feedback import collective_state_dict, select_memory
+from horovod_aq.packed.autowire import AutoWire
 from horovod_aq.packed.cost import NetworkModel
 from horovod_aq.packed.plan import BucketPlan, layout_digest, op_name, plan_buckets
 from horovod_aq.packed.protocol import (
@@ -70,6 +71,7 @@ from horovod_aq.telemetry import Telemetry
 from horovod_aq.torch.dist_comm import DistCollectives, DistComm, group_or_world
 from horovod_aq.torch.process_exit import destroy_and_exit
 from horovod_aq.torch.wire import Bucket, Wire
+from horovod_aq.torch.wire_setting import WireSetting
 
 logger = logging.getLogger(__name__)
 
@@ -139,15 +141,21 @@ class QuantizedHookState:
         stall_timeout_s: seconds a wait for one collective may last before every stuck rank
             raises ``ExchangeStalledError`` naming it (default ``$HOROVOD_AQ_STALL_TIMEOUT_S``,
             else 300; 0: wait forever).
-        wire: "fixed" (fixed-width codes) or "entropy" (entropy-coded, variable-length
+        wire: "fixed" (fixed-width codes), "entropy" (entropy-coded, variable-length
             payloads where smaller, docs/format.md §12; sizes are gathered before the payloads,
-            docs/protocol.md §5.4). Kept in :attr:`coding`, which may be changed between steps
-            (the same on every rank).
+            docs/protocol.md §5.4) or "auto" (the first steps measure the collectives and
+            codecs, then every rank takes the coding — and with ``exchange="auto"`` the mode —
+            rank 0 chose per bucket from the fitted link model, docs/protocol.md §5.5; one log
+            line; the default); an ``horovod_aq.packed.autowire.AutoWire`` sets the
+            measurement's schedule.
+            Kept in :attr:`coding`, which may be changed between steps (the same on every rank;
+            a change measures again); :attr:`autowire` shows the decision, which
+            :meth:`state_dict` holds.
     """
 
     __slots__ = (
         # what is exchanged, and how
-        "compression", "settings", "telemetry", "prefix", "_deadline", "coding",
+        "compression", "settings", "telemetry", "prefix", "_deadline", "_wire_setting",
         # the process group (resolved lazily)
         "_group", "_resolved", "_wire", "_comm", "_collectives",
         # bucket layout and checkpoints
@@ -160,15 +168,15 @@ class QuantizedHookState:
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  exchange: str = "auto", network: NetworkModel | None = None,
                  telemetry: Telemetry | None = None, name: str | None = None,
-                 stall_timeout_s: float | None = None, wire: str = "fixed") -> None:
+                 stall_timeout_s: float | None = None, wire: Any = "auto") -> None:
         compression = NoCompression() if compression is None else compression
-        #: How quantized buckets' payloads are coded ("fixed" / "entropy", ``Bucket.coding``).
-        self.coding = check_wire(wire)
+        check_wire(wire)
         check_compression(compression, "torch.distributed.algorithms.ddp_comm_hooks")
         self.compression = compression
         self.settings = ExchangeSettings(exchange, network=network)
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.prefix = op_name(name or f"{compression.name}.ddp")
+        self._wire_setting = WireSetting(wire, name=self.prefix)
         self._deadline = Deadline(stall_timeout_of(stall_timeout_s),
                                   step=lambda: compression.quantizer.step)
         self._group, self._resolved = process_group, False
@@ -204,7 +212,31 @@ class QuantizedHookState:
         # the global rank keys the random stream, as on the Horovod paths (docs/format.md §6)
         self._wire = Wire(self.compression, self._collectives, stream_rank=dist.get_rank(),
                           deadline=self._deadline)
+        self._wire_setting.attach(self._wire)
         self._resolved = True
+
+    @property
+    def coding(self) -> str:
+        """The ``wire=`` setting: "fixed", "entropy" or "auto" (docs/protocol.md §5.4, §5.5).
+        Settable between steps, to the same value on every rank: the ranks then compare it
+        again before the next exchange, and "auto" measures again."""
+        return self._wire_setting.wire
+
+    @coding.setter
+    def coding(self, wire: Any) -> None:
+        check_wire(wire)
+        if wire == self.coding:
+            return
+        self._wire_setting = WireSetting(wire, name=self.prefix)
+        if self._wire is not None:
+            self._wire_setting.attach(self._wire)
+        self._checked.clear()
+
+    @property
+    def autowire(self) -> AutoWire:
+        """The ``wire=`` setting's :class:`~horovod_aq.packed.autowire.AutoWire`: its schedule
+        (``decision_step``) and, with ``wire="auto"``, the agreed ``decision``."""
+        return self._wire_setting.auto
 
     @property
     def process_group(self) -> Any:
@@ -234,8 +266,13 @@ class QuantizedHookState:
             wire.advance(unit)
         self._pending = [u for u in self._pending if u.stage == "a2a"]
         units = self._units_for(index, list(bucket.parameters()), buffer)
+        step = self.compression.quantizer.step
         for unit in units:
-            unit.coding = self.coding
+            if unit.mode != ALLREDUCE:   # this step's coding and mode (wire="auto": per step)
+                unit.coding = self._wire_setting.coding(step, unit.index)
+                mode = self._wire_setting.mode(step, unit.index, unit.plan.mode)
+                if mode != unit.plan.mode:
+                    unit.plan = dataclasses.replace(unit.plan, mode=mode)
             self._handshake(unit)
             raw = unit.gather(buffer)
             if unit.mode == ALLREDUCE:
@@ -302,11 +339,25 @@ class QuantizedHookState:
             s.future.set_result(s.buffer)
         units = [u for s in steps for u in s.units]
         refitted = q.end_step(self._comm)   # counts the step; refits when due
+        self._end_wire(units)
         self.layout = [(u.index, u.name, u.numel, u.names) for u in units]
         self._forget_memory({u.name for u in units})
         if self._target is not None and all(u.segments is None for u in units):
             self._target = None    # DDP's buckets are the saved ones again
         self._record(units, refitted)
+
+    def _end_wire(self, units: list[_Unit]) -> None:
+        """``wire="auto"``: the agreement at the end of the step it is due (every rank), for
+        this step's quantized units in index order; the ranks compare the decided wire again
+        before the next exchange of every unit (a changed mode changes the layout)."""
+        if self._started is None:
+            return
+        step, bits = self._started
+        plans = sorted((u.plan for u in units if u.mode != ALLREDUCE), key=lambda p: p.index)
+        if self._wire_setting.end_step(step, self._comm, plans, bits=bits,
+                                       compression=self.compression,
+                                       exchange=self.settings.exchange) is not None:
+            self._checked.clear()
 
     def _record(self, units: list[_Unit], refitted: bool) -> None:
         started, self._started = self._started, None
@@ -398,17 +449,23 @@ class QuantizedHookState:
         if key in self._checked:
             return
         plan = unit.plan
-        layout = (layout_digest([plan], [], self.coding) if plan.mode != ALLREDUCE
-                  else layout_digest([], [f"{plan.name}:{plan.numel}"]))
+        layout = (layout_digest([plan], [], self._wire_setting.digest())
+                  if plan.mode != ALLREDUCE else layout_digest([], [f"{plan.name}:{plan.numel}"]))
         self._checked.add(key)
         handshake(self._comm, self.compression, layout)
 
     @property
     def buckets(self) -> list[tuple[str, int, str, list[str]]]:
-        """(name, numel, exchange mode, parameter names) of the last step's exchanges."""
-        modes = {key: plan.mode for key, plan in self._plans.items()}
-        return [(name, numel, modes.get((i, names), "?"), list(names))
-                for i, name, numel, names in self.layout]
+        """(name, numel, exchange mode, parameter names) of the last step's exchanges (the
+        planned mode, or the decided one with ``wire="auto"``)."""
+        step = self.compression.quantizer.step
+
+        def mode(index: int, names: tuple[str, ...]) -> str:
+            plan = self._plans.get((index, names))
+            if plan is None or plan.mode == ALLREDUCE:
+                return "?" if plan is None else plan.mode
+            return self._wire_setting.mode(step, index, plan.mode)
+        return [(name, numel, mode(i, names), list(names)) for i, name, numel, names in self.layout]
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -423,7 +480,8 @@ class QuantizedHookState:
         compression = collective_state_dict(self.compression, buckets, self.ranks,
                                             self._comm.allgather)
         return {"format": STATE_FORMAT, "compression": compression,
-                "layout": [[i, name, numel, list(names)] for i, name, numel, names in self.layout]}
+                "layout": [[i, name, numel, list(names)] for i, name, numel, names in self.layout],
+                "wire": self._wire_setting.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same checkpoint on every rank). The handshake runs
@@ -440,6 +498,7 @@ class QuantizedHookState:
         self._target = ({n: (i, names) for i, _, _, names in self.layout for n in names}
                         if self.layout and self._names else None)
         self._warned_layout = False
+        self._wire_setting.load_state_dict(state.get("wire"))   # None: measure again
         self._checked.clear()
         self._steps, self._pending, self._started = [], [], None
 

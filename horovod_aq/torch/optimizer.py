@@ -52,6 +52,7 @@ from horovod.torch.mpi_ops import Adasum, Average, Sum, allreduce_async_
 from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
 
 from horovod_aq.packed import plan as names
+from horovod_aq.packed.autowire import AutoWire, with_modes
 from horovod_aq.packed.cost import NetworkModel
 from horovod_aq.packed.plan import DEFAULT_FUSION_BYTES, BucketPlan, layout_digest, plan_buckets
 from horovod_aq.packed.protocol import (
@@ -73,6 +74,7 @@ from horovod_aq.torch import arguments, checkpoint
 from horovod_aq.torch.checkpoint import BROADCAST_KEY
 from horovod_aq.torch.comm import HorovodCollectives, comm_for, wait
 from horovod_aq.torch.wire import Bucket, Wire
+from horovod_aq.torch.wire_setting import WireSetting
 
 logger = logging.getLogger(__name__)
 #: Horovod's warning when ``step()`` follows ``synchronize()`` outside ``skip_synchronize()``.
@@ -120,12 +122,13 @@ class _PackedOptimizer(torch.optim.Optimizer):
                  settings: ExchangeSettings, sparse_as_dense: bool,
                  telemetry: Telemetry | None, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, groups: Any = None,
-                 stall_timeout: float | None = None, wire: str = "fixed") -> None:
+                 stall_timeout: float | None = None, wire: Any = "auto") -> None:
         self._aq = compression
         self._aq_q = compression.quantizer          # table, bits, step, refits
         self._aq_settings = settings
-        #: How the buckets' payloads are coded ("fixed" / "entropy"; ``Bucket.coding``).
-        self._aq_coding = wire
+        #: The ``wire=`` argument ("fixed" / "entropy" / "auto" / an AutoWire); the
+        #: :class:`WireSetting` is built once the exchange's content key is known.
+        self._aq_wire_arg = wire
         self._aq_telemetry = telemetry if telemetry is not None else Telemetry()
         #: Seconds a wait for one collective may last (None: forever): ExchangeStalledError.
         self._aq_deadline = Deadline(stall_timeout, step=lambda: self._aq_q.step)
@@ -171,6 +174,10 @@ class _PackedOptimizer(torch.optim.Optimizer):
             settings.exchange, settings.fusion_bytes, settings.small_tensor_threshold,
             self._aq_ranks, backward_passes_per_step,
             arguments.groups_key(groups, self._parameter_names)))
+        #: How the buckets' payloads are coded, per step (``wire=``; docs/protocol.md §5.5).
+        self._aq_wire_setting = WireSetting(wire, name=self._aq_prefix)
+        if self._aq_wire is not None:
+            self._aq_wire_setting.attach(self._aq_wire)
         # Horovod's split of an average into a pre- and a post-scale (the C++ side divides by
         # the set size for Average); the small-tensor allreduces use it as Horovod does.
         self._aq_scale = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
@@ -212,16 +219,40 @@ class _PackedOptimizer(torch.optim.Optimizer):
                 small.extend(sub_small)
         self._aq_route: dict[torch.Tensor, _Bucket | None] = {ordered[i]: None for i in small}
         self._aq_small_numels = [ordered[i].numel() for i in small]
-        self._aq_plans = plans
+        self._aq_small_names = [param_names[i] for i in small]
+        self._aq_plans = self._aq_planned = plans
         self._aq_buckets = [_Bucket(plan, [ordered[i] for i in plan.members],
                                     [param_names[i] for i in plan.members]) for plan in plans]
         for bucket in self._aq_buckets:
-            bucket.coding = self._aq_coding
-        for bucket in self._aq_buckets:
             for p in bucket.params:
                 self._aq_route[p] = bucket
-        self._aq_layout = layout_digest(plans, [param_names[i] for i in small],
-                                        self._aq_coding)
+        self._aq_set_layout()
+
+    def _aq_set_layout(self) -> None:
+        """The layout digest the handshake compares: buckets, modes, allreduced tensors and the
+        wire (with ``wire="auto"``, its schedule and decision)."""
+        self._aq_layout = layout_digest(self._aq_plans, self._aq_small_names,
+                                        self._aq_wire_setting.digest())
+
+    def _aq_replan(self) -> None:
+        """Give the buckets the exchange modes of the wire decision, or the planned ones
+        without a decision (every rank at the same step boundary); the handshake runs again
+        before the next exchange."""
+        decision = self._aq_wire_setting.decision
+        plans = (self._aq_planned if decision is None
+                 else with_modes(self._aq_planned, decision))
+        if [p.mode for p in plans] != [p.mode for p in self._aq_plans]:
+            self._aq_plans = plans
+            for bucket, plan in zip(self._aq_buckets, plans):
+                bucket.plan = plan
+            self._aq_traffic.clear()
+        self._aq_set_layout()
+        self._aq_checked = False
+
+    def _aq_load_wire(self, state: dict[str, Any] | None) -> None:
+        """Install a saved wire setting state (None: measure again), re-plan to it."""
+        self._aq_wire_setting.load_state_dict(state, self._aq_planned)
+        self._aq_replan()
 
     def _aq_group_ids(self, ordered: list[torch.Tensor]) -> list[int] | None:
         """Horovod's ``groups`` as a group number per parameter of ``ordered`` (None: no groups).
@@ -266,6 +297,12 @@ class _PackedOptimizer(torch.optim.Optimizer):
         return self._aq_wire
 
     @property
+    def autowire(self) -> AutoWire:
+        """The ``wire=`` setting's :class:`~horovod_aq.packed.autowire.AutoWire`: its schedule
+        (``decision_step``) and, with ``wire="auto"``, the agreed ``decision``."""
+        return self._aq_wire_setting.auto
+
+    @property
     def _aq_comm(self) -> Any:
         """The one :class:`~horovod_aq.refit.Comm` of this optimizer (handshake, refits,
         checkpoints), built at first use — on every rank at the same point."""
@@ -283,7 +320,10 @@ class _PackedOptimizer(torch.optim.Optimizer):
             self._aq_checked = True
             handshake(self._aq_comm, self._aq, self._aq_layout)
         if self._aq_started is None:
-            self._aq_started = (self._aq_q.step, self._aq.code_bits)
+            step = self._aq_q.step
+            self._aq_started = (step, self._aq.code_bits)
+            for bucket in self._aq_buckets:   # this step's coding (wire="auto": per step)
+                bucket.coding = self._aq_wire_setting.coding(step, bucket.index)
 
     def _aq_check_parameters(self) -> None:
         """Refuse trainable parameters that appeared after construction (``add_param_group``,
@@ -397,6 +437,10 @@ class _PackedOptimizer(torch.optim.Optimizer):
             q.advance_step()
             return
         refitted = q.end_step(self._aq_comm)   # counts the step; refits when due
+        if started is not None and self._aq_wire is not None and self._aq_wire_setting.end_step(
+                started[0], self._aq_comm, self._aq_plans, bits=started[1], compression=self._aq,
+                exchange=self._aq_settings.exchange) is not None:
+            self._aq_replan()    # the decided wire from the next step, on every rank
         seconds = self._aq_wire.take_seconds() if self._aq_wire is not None else {}
         sent = self._aq_wire.take_sent() if self._aq_wire is not None else None
         if started is not None:
@@ -524,7 +568,7 @@ def DistributedOptimizer(
     network: NetworkModel | None = None,
     telemetry: Telemetry | None = None,
     stall_timeout_s: float | None = None,
-    wire: str = "fixed",
+    wire: Any = "auto",
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are averaged with the packed quantized exchange.
 
@@ -564,9 +608,15 @@ def DistributedOptimizer(
         stall_timeout_s: seconds a wait for one of the packed exchange's collectives may last
             before every stuck rank raises :class:`ExchangeStalledError` naming the collective
             (default ``$HOROVOD_AQ_STALL_TIMEOUT_S``, else 300; 0: wait forever).
-        wire: "fixed" (fixed-width codes, one payload size per bucket) or "entropy" (the
+        wire: "fixed" (fixed-width codes, one payload size per bucket), "entropy" (the
             entropy-coded body of docs/format.md §12 where it is smaller: variable-length
-            payloads, docs/protocol.md §5.4; telemetry counts the bytes really sent).
+            payloads, docs/protocol.md §5.4; telemetry counts the bytes really sent) or "auto":
+            the first steps measure the collectives and codecs, then every rank takes the
+            coding (and with ``exchange="auto"`` the mode) that rank 0 chose per bucket from
+            the fitted link model (docs/protocol.md §5.5; one log line; the default). An
+            ``horovod_aq.packed.autowire.AutoWire`` sets the measurement's schedule
+            (``AutoWire("auto", warmup_steps=2, measure_steps=8)``). The decision is in
+            :meth:`state_dict` (``"horovod_aq_wire"``); :attr:`autowire` shows it.
     """
     wire = check_wire(wire)
     compression, groups = arguments.check_horovod_args(
