@@ -388,8 +388,8 @@ def test_steps_that_are_not_measured_record_nothing():
 
 def test_wire_setting_schedule_digest_decision_and_state():
     from horovod_aq.packed.autowire import AutoWire
+    from horovod_aq.packed.wire_setting import WireSetting
     from horovod_aq.refit import LocalComm
-    from horovod_aq.torch.wire_setting import WireSetting
 
     plans = [BucketPlan(0, "a", (0,), 4000, "allgather"), BucketPlan(1, "b", (1,), 3000,
                                                                      "allgather")]

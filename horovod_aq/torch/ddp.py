@@ -67,11 +67,11 @@ from horovod_aq.packed.protocol import (
 )
 from horovod_aq.packed.waiting import Deadline, wait_until
 from horovod_aq.packed.waiting import stall_timeout_s as stall_timeout_of
+from horovod_aq.packed.wire_setting import WireSetting
 from horovod_aq.telemetry import Telemetry
 from horovod_aq.torch.dist_comm import DistCollectives, DistComm, group_or_world
 from horovod_aq.torch.process_exit import destroy_and_exit
 from horovod_aq.torch.wire import Bucket, Wire
-from horovod_aq.torch.wire_setting import WireSetting
 
 logger = logging.getLogger(__name__)
 

@@ -69,12 +69,12 @@ from horovod_aq.packed.protocol import (
 from horovod_aq.packed.receive import JoinedRankError
 from horovod_aq.packed.waiting import Deadline, ExchangeStalledError
 from horovod_aq.packed.waiting import stall_timeout_s as stall_timeout_s_of
+from horovod_aq.packed.wire_setting import WireSetting
 from horovod_aq.telemetry import Telemetry
 from horovod_aq.torch import arguments, checkpoint
 from horovod_aq.torch.checkpoint import BROADCAST_KEY
 from horovod_aq.torch.comm import HorovodCollectives, comm_for, wait
 from horovod_aq.torch.wire import Bucket, Wire
-from horovod_aq.torch.wire_setting import WireSetting
 
 logger = logging.getLogger(__name__)
 #: Horovod's warning when ``step()`` follows ``synchronize()`` outside ``skip_synchronize()``.
