@@ -241,3 +241,11 @@ def test_wait_until_polls_and_ends_a_stalled_wait_with_an_error():
 
 def test_one_handshake_name_for_every_framework():
     assert plan.handshake_name() == "aq.handshake"
+
+
+def test_sent_bytes_of_each_exchange():
+    assert send.sent_bytes("allgather", [100], 0, 4) == (100, 300)
+    # two-phase: all P chunks are this rank's payloads; all but its own leave it
+    assert send.sent_bytes("two_phase", [10, 20, 30], 1, 3) == (60, 40)
+    # a re-encoded chunk goes out like an allgather payload
+    assert send.sent_bytes("allgather", [7], 2, 3)[1] == 14

@@ -24,6 +24,10 @@ pytestmark = pytest.mark.multiprocess
 BUCKET = 64          # quantization bucket (coordinates)
 FUSION_BYTES = 4000  # 1000 coordinates per fused bucket: the test model spans several
 SHAPES = {"w1": (20, 30), "b1": (30,), "w2": (30, 16), "b2": (16,), "w3": (16, 10)}
+#: The entropy wire's check: buckets of thousands of coordinates, where the coded body (its
+#: fixed overhead is about 200 bytes) is smaller than the fixed-width codes; 10000 per bucket.
+WIDE_SHAPES = {"w1": (20, 256), "b1": (256,), "w2": (256, 64), "b2": (64,), "w3": (64, 10)}
+WIDE_FUSION_BYTES = 40000
 TRAIN_STEPS = 500  # 10 epochs of 50 batches of 40 per rank; refits at steps 0 and 100
 
 
@@ -82,11 +86,11 @@ def _distributed_tape(tape, comp, **kwargs):
     return t
 
 
-def _variables(tf, seed=0):
-    """Plain tf.Variables with the same values on every rank."""
+def _variables(tf, seed=0, shapes=None):
+    """Plain tf.Variables with the same values on every rank (``shapes``: default SHAPES)."""
     rng = np.random.default_rng(seed)
     return {k: tf.Variable(rng.standard_normal(s).astype(np.float32) * 0.3, name=k)
-            for k, s in SHAPES.items()}
+            for k, s in (shapes or SHAPES).items()}
 
 
 def _loss(tf, v, rank, step=0):
@@ -116,11 +120,13 @@ def _compressor(method="qsgd", bits=3, schedule="0", **kw):
                                             schedule=schedule, **kw)
 
 
-def _packed_step(tf, hvd, comp, v, exchange, in_function, step=0):
+def _packed_step(tf, hvd, comp, v, exchange, in_function, step=0, wire="fixed",
+                 fusion_bytes=FUSION_BYTES):
     def run():
         with tf.GradientTape() as tape:
             loss = _loss(tf, v, hvd.rank(), step)
-        t = _distributed_tape(tape, comp, exchange=exchange, fusion_bytes=FUSION_BYTES)
+        t = _distributed_tape(tape, comp, exchange=exchange, fusion_bytes=fusion_bytes,
+                              wire=wire)
         return t.gradient(loss, list(v.values())), t
 
     if in_function:
@@ -169,6 +175,124 @@ def oracle_two_phase_eager():
 
 def oracle_two_phase_graph():
     return oracle("two_phase", True)
+
+
+def _wire_oracle(tf, hvd, aqtf, exchange, in_function, wire):
+    v = _variables(tf, shapes=WIDE_SHAPES)
+    comp = _compressor()
+    with EncodeRecorder() as rec:
+        grads, tape = _packed_step(tf, hvd, comp, v, exchange, in_function, wire=wire,
+                                   fusion_bytes=WIDE_FUSION_BYTES)
+    aqtf.refit(comp)
+    names = [f"{i}:{k}" for i, k in enumerate(v)]
+    return {"entries": rec.sorted(), "buckets": tape.buckets,
+            "grads": {n: g.numpy() for n, g in zip(names, grads)},
+            "levels": comp.table.levels, "version": comp.table.version,
+            "telemetry": tape.telemetry.last.as_dict()}
+
+
+def _wire_loop(tf, hvd, comp, wire, exchange, steps):
+    """A tf.function custom loop (SGD on the test model) on ``wire``: per step the averaged
+    gradients and the code width, and the trace count at the end."""
+    import horovod_aq.tensorflow as aqtf
+
+    v = _variables(tf)
+    rank = hvd.rank()
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            h = tf.nn.relu(x @ v["w1"] + v["b1"])
+            h = tf.nn.relu(h @ v["w2"] + v["b2"])
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, h @ v["w3"]))
+        t = aqtf.DistributedGradientTape(tape, comp, exchange=exchange,
+                                         fusion_bytes=FUSION_BYTES, wire=wire)
+        grads = t.gradient(loss, list(v.values()))
+        for var, g in zip(v.values(), grads):
+            var.assign_sub(0.05 * g)
+        return grads
+
+    out = {"grads": [], "bits": []}
+    for step in range(steps):
+        rng = np.random.default_rng(1000 * step + rank)
+        x = tf.constant(rng.standard_normal((8, 20)).astype(np.float32))
+        y = tf.constant(rng.integers(0, 10, 8))
+        out["bits"].append(comp.code_bits)
+        out["grads"].append([g.numpy() for g in train_step(x, y)])
+    out["traces"] = train_step.experimental_get_tracing_count()
+    out["step"] = comp.step
+    return out
+
+
+def entropy_wire():
+    """wire="entropy" on the packed tape (docs/protocol.md §5.4): the recorded payloads and
+    averages of allgather (tf.function) and two-phase (eager) for the oracle, next to the fixed
+    wire's; ECQ-SGD (two-phase) and DQSGD (allgather, widths changing) over traced loops on both
+    wires (one trace each); non-finite markers raise / skip on every rank on both exchanges."""
+    tf, hvd = init_tf()
+    import horovod_aq
+    import horovod_aq.tensorflow as aqtf
+
+    out = {"oracle": {}, "loops": {}, "nonfinite": {}}
+    for exchange, in_function in (("allgather", True), ("two_phase", False)):
+        for wire in ("fixed", "entropy"):
+            out["oracle"][(exchange, wire)] = _wire_oracle(tf, hvd, aqtf, exchange, in_function,
+                                                           wire)
+    for wire in ("fixed", "entropy"):
+        ecq = horovod_aq.ECQ(horovod_aq.QSGD(bits=2, bucket_size=BUCKET, seed=7),
+                             alpha=0.3, beta=0.8)
+        out["loops"][("ecq", wire)] = _wire_loop(tf, hvd, ecq, wire, "two_phase", 3)
+        out["loops"][("ecq", wire)]["memory"] = {
+            k: np.asarray(h).copy() for k, h in ecq.state_dict()["memory"].items()}
+        dq = horovod_aq.DQSGD(target_bits=2.5, min_bits=2, max_bits=3, bucket_size=BUCKET)
+        out["loops"][("dqsgd", wire)] = _wire_loop(tf, hvd, dq, wire, "allgather", 6)
+    for exchange in ("allgather", "two_phase"):
+        for mode in ("raise", "skip"):
+            v = _variables(tf)
+            comp = _compressor(nonfinite=mode)
+            poison = tf.constant(float("nan") if hvd.rank() == 1 else 1.0)
+            with tf.GradientTape() as tape:
+                loss = _loss(tf, v, hvd.rank()) * poison
+            t = aqtf.DistributedGradientTape(tape, comp, exchange=exchange,
+                                             fusion_bytes=FUSION_BYTES, wire="entropy")
+            try:
+                grads = t.gradient(loss, list(v.values()))
+                out["nonfinite"][(exchange, mode)] = (
+                    "nan" if all(bool(tf.reduce_all(tf.math.is_nan(g))) for g in grads)
+                    else "values")
+            except Exception as exc:  # noqa: BLE001
+                out["nonfinite"][(exchange, mode)] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def keras_fit_entropy():
+    """Keras 3 model.fit with DistributedOptimizer(wire="entropy") and wire="fixed" from the
+    same start: ALQ refits (the table version advances) on both, the weights are bitwise the
+    same (the same codes travel), the entropy wire's telemetry counts fewer bytes."""
+    tf, hvd = init_tf()
+    import keras
+
+    import horovod_aq.keras as aqk
+
+    rng = np.random.default_rng(hvd.rank())
+    xs = rng.standard_normal((256, 64)).astype(np.float32)
+    ys = rng.integers(0, 10, 256)
+    out = {}
+    for wire in ("fixed", "entropy"):
+        model = _keras_dense_model(keras, seed=9, sizes=(64, 128, 10))
+        comp = _compressor("alq", schedule="0,2,0")
+        opt = aqk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), comp,
+                                       wire=wire)
+        model.compile(optimizer=opt, jit_compile=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        hist = model.fit(xs, ys, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                         callbacks=[aqk.RefitCallback(opt)])
+        out[wire] = {"weights": _weights_of(model), "loss": hist.history["loss"],
+                     "steps": comp.step, "version": comp.table.version,
+                     "versions": hist.history["aq_table_version"],
+                     "totals": opt.telemetry.totals(),
+                     "per_step": [r.bits_per_coordinate for r in opt.telemetry.history]}
+    return out
 
 
 def refit_in_function():
@@ -931,7 +1055,7 @@ ALL_CHECKS = [oracle_allgather_eager, oracle_allgather_graph, oracle_two_phase_e
               oracle_two_phase_graph, refit_in_function, checkpoint_resume, stock_tape,
               settings_mismatch, version_mismatch, nonfinite_everywhere, nonfinite_skip,
               keras_fit_fp32, keras_fit_alq, custom_loop_fp32, custom_loop_alq, checksum_tape,
-              hostile_tape]
+              hostile_tape, entropy_wire, keras_fit_entropy]
 #: Under MPI the checks where the controller matters (collectives, refit transport = mpi4py,
 #: failure paths, training with refits over mpi4py); eager/graph variants of the same exchange,
 #: the checkpoint, the stock tape (the stock path runs under MPI in test_tf_keras2_stock) run
@@ -939,6 +1063,7 @@ ALL_CHECKS = [oracle_allgather_eager, oracle_allgather_graph, oracle_two_phase_e
 #: both give the same losses), to keep the TF launches within a few minutes on two cores.
 MPI_CHECKS = [oracle_allgather_graph, oracle_two_phase_eager, refit_in_function,
               settings_mismatch, version_mismatch, nonfinite_everywhere, hostile_tape,
+              entropy_wire, keras_fit_entropy,
               *((check, {"seeds": TRAIN_SEEDS[:1]}) for check in (keras_fit_alq, custom_loop_alq))]
 CHECKS = {"gloo": ALL_CHECKS, "mpi": MPI_CHECKS}
 #: Horovod's Keras/tape features on Keras 3, in their own launch (``-k features``); under MPI the
@@ -986,8 +1111,8 @@ def _assert_allgather_oracle(results, table):
     assert len(buckets) >= 2, "the test model should span several fused buckets"
     for name, numel, mode, params in buckets:
         assert mode == "allgather"
-        payloads = [_submits(r, name)[0][5] for r in results]
-        expected = codec.decode_average(np.stack(payloads), table)
+        payloads = [_submits(r, name)[0][5] for r in results]   # any sizes (entropy wire)
+        expected = codec.decode_average(payloads, table)
         for r in results:
             np.testing.assert_array_equal(_bucket_grads(r, params), expected)
 
@@ -1000,7 +1125,7 @@ def _assert_two_phase_oracle(results, table):
         assert all(len(c) == P for c in chunks)
         reencoded = []
         for r in range(P):
-            avg = codec.decode_average(np.stack([chunks[p][r] for p in range(P)]), table)
+            avg = codec.decode_average([chunks[p][r] for p in range(P)], table)
             entry = next(e for e in results[r]["entries"] if e[0] == name and e[1] == "reencode")
             m = avg.size
             avg = avg.copy()
@@ -1353,3 +1478,99 @@ def test_hostile_inputs_on_the_packed_tape(launch):
                 abs(got - (0.3 + 0.05 * step)) < 1e-6, r["one_element"]
     for a, b in zip(results[0]["extra_exchange"], results[1]["extra_exchange"]):
         np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------- the entropy-coded wire
+def _assert_entropy_bytes(results, table):
+    """Every payload = codec.encode_entropy of the recorded input with the recorded stream."""
+    for r in results:
+        for _name, _phase, _k, key, x, payload in r["entries"]:
+            want = codec.encode_entropy(x, table, bucket_size=BUCKET,
+                                        uniforms=_uniforms(key, x.size))
+            np.testing.assert_array_equal(payload, want)
+
+
+@pytest.mark.reads("entropy_wire")
+@pytest.mark.parametrize("exchange", ["allgather", "two_phase"])
+def test_entropy_wire_payloads_and_averages_match_the_oracle(launch, exchange):
+    results = _get(launch, entropy_wire)
+    runs = [r["oracle"][(exchange, "entropy")] for r in results]
+    table = _table(runs[0])
+    assert all(run["entries"] for run in runs)
+    _assert_entropy_bytes(runs, table)
+    if exchange == "allgather":
+        _assert_allgather_oracle(runs, table)     # decode_average of the variable rows
+    else:
+        _assert_two_phase_oracle(runs, table)
+    flags = {int(e[5][codec.FLAGS_OFFSET]) & codec.FLAG_ENTROPY
+             for run in runs for e in run["entries"]}
+    assert codec.FLAG_ENTROPY in flags            # entropy-coded bodies did travel
+    sizes = {e[5].size for run in runs for e in run["entries"]}
+    assert len(sizes) > 1                          # of sizes that vary
+    for r in results:                              # the same codes: the fixed wire's averages
+        fixed = r["oracle"][(exchange, "fixed")]["grads"]
+        for k, g in r["oracle"][(exchange, "entropy")]["grads"].items():
+            np.testing.assert_array_equal(g, fixed[k])
+
+
+@pytest.mark.reads("entropy_wire")
+def test_entropy_wire_telemetry_counts_the_bytes_sent(launch):
+    results = _get(launch, entropy_wire)
+    P = len(results)
+    for rank, r in enumerate(results):
+        for exchange in ("allgather", "two_phase"):
+            run = r["oracle"][(exchange, "entropy")]
+            t = run["telemetry"]
+            submits = [e for e in run["entries"] if e[1] == "submit"]
+            payload = sum(e[5].size for e in submits)
+            assert t["payload_bytes"] == payload
+            if exchange == "allgather":
+                assert t["bytes_sent"] == (P - 1) * payload
+            else:
+                own = sum(e[5].size for e in submits if e[2][2] == rank)
+                again = sum(e[5].size for e in run["entries"] if e[1] == "reencode")
+                assert t["bytes_sent"] == payload - own + (P - 1) * again
+            fixed = r["oracle"][(exchange, "fixed")]["telemetry"]
+            assert t["numel_quantized"] == fixed["numel_quantized"]
+            assert t["bits_per_coordinate"] < fixed["bits_per_coordinate"], (t, fixed)
+
+
+@pytest.mark.reads("entropy_wire")
+def test_entropy_wire_error_feedback_and_dqsgd_equal_the_fixed_wire(launch):
+    for r in _get(launch, entropy_wire):
+        for kind in ("ecq", "dqsgd"):
+            fixed, coded = r["loops"][(kind, "fixed")], r["loops"][(kind, "entropy")]
+            assert coded["traces"] == fixed["traces"] == 1     # sizes vary, never retraced
+            assert coded["bits"] == fixed["bits"] and coded["step"] == fixed["step"]
+            for a, b in zip(fixed["grads"], coded["grads"]):
+                _same_weights(a, b)
+        fixed, coded = r["loops"][("ecq", "fixed")], r["loops"][("ecq", "entropy")]
+        assert sorted(coded["memory"]) == sorted(fixed["memory"]) and coded["memory"]
+        for k, h in coded["memory"].items():
+            np.testing.assert_array_equal(h, fixed["memory"][k])
+            assert np.any(h)
+
+
+@pytest.mark.reads("entropy_wire")
+def test_entropy_wire_nonfinite_markers(launch):
+    for r in _get(launch, entropy_wire):
+        for exchange in ("allgather", "two_phase"):
+            raised = r["nonfinite"][(exchange, "raise")]
+            assert raised.startswith("NonFiniteGradientError") and "rank 1" in raised, raised
+            assert r["nonfinite"][(exchange, "skip")] == "nan"
+
+
+@pytest.mark.reads("keras_fit_entropy")
+def test_keras_fit_on_the_entropy_wire(launch):
+    results = _get(launch, keras_fit_entropy)
+    for r in results:
+        fixed, coded = r["fixed"], r["entropy"]
+        _same_weights(fixed["weights"], coded["weights"])    # the same codes travelled
+        assert coded["loss"] == fixed["loss"]
+        assert coded["steps"] == 32 and coded["version"] == fixed["version"] >= 2
+        assert coded["versions"][-1] == coded["version"]
+        assert coded["totals"]["numel_quantized"] == fixed["totals"]["numel_quantized"]
+        assert coded["totals"]["payload_bytes"] < fixed["totals"]["payload_bytes"]
+        assert coded["totals"]["bytes_sent"] < fixed["totals"]["bytes_sent"]
+        assert max(coded["per_step"]) <= max(fixed["per_step"])
+    _same_weights(results[0]["entropy"]["weights"], results[1]["entropy"]["weights"])

@@ -106,6 +106,18 @@ def sent_values(payloads: Sequence[Any], decode: Callable[[Any], Any],
     return concat([decode(p) for p in payloads])[:numel]
 
 
+def sent_bytes(mode: str, sizes: Sequence[Any], rank: int, ranks: int) -> tuple[Any, Any]:
+    """(payload bytes, bytes sent to other ranks) of one first-phase send (docs/protocol.md §8):
+    ``sizes`` are this rank's payload sizes — one (allgather: (P − 1)·size go out) or the P
+    chunks of a two-phase bucket (all but its own chunk go out). Integers or framework scalar
+    tensors alike. A re-encoded two-phase chunk of size s adds (P − 1)·s to the bytes sent
+    (``sent_bytes("allgather", [s], …)[1]``) and nothing to the payload bytes."""
+    if mode == "allgather":
+        return sizes[0], (ranks - 1) * sizes[0]
+    total = sum(sizes[1:], sizes[0])
+    return total, total - sizes[rank]
+
+
 def reencode_part(ranks: int) -> int:
     """The stream part of a two-phase bucket's re-encoded averaged chunk: P (chunks used
     0 … P−1; docs/format.md §6)."""
@@ -113,4 +125,4 @@ def reencode_part(ranks: int) -> int:
 
 
 __all__ = ["SendSteps", "first_bad_element", "python_branch", "reencode_part", "send_bucket",
-           "sent_values"]
+           "sent_bytes", "sent_values"]

@@ -25,6 +25,7 @@ import tensorflow as tf
 from horovod_aq import codec
 from horovod_aq.codec import (
     FLAG_CHECKSUM,
+    FLAG_ENTROPY,
     FLAGS_OFFSET,
     HEADER_SIZE,
     NonFiniteGradientError,
@@ -105,9 +106,11 @@ def encoder_header_check(header_u8: tf.Tensor, levels: tf.Tensor, n: int, bits: 
     return checks
 
 
-def decoder_header_check(headers: tf.Tensor, expected_u8: tf.Tensor) -> list:
+def decoder_header_check(headers: tf.Tensor, expected_u8: tf.Tensor, *,
+                         entropy: bool = False) -> list:
     """Assert that every row of ``headers`` [P, 32] equals the expected header; the message
-    names the first differing field, the first rank that differs and both values."""
+    names the first differing field, the first rank that differs and both values.
+    ``entropy``: rows of the entropy-coded wire, which may also carry ``FLAG_ENTROPY``."""
     if expected_u8.shape.rank != 1 or expected_u8.shape[0] not in (None, HEADER_SIZE):
         raise ValueError(f"expected_header_u8 must be {HEADER_SIZE} uint8 bytes, got shape "
                          f"{expected_u8.shape}")
@@ -119,7 +122,8 @@ def decoder_header_check(headers: tf.Tensor, expected_u8: tf.Tensor) -> list:
         lo, hi = field.start, field.stop
         got, want = headers[:, lo:hi], expected_u8[None, lo:hi]
         if name == "flags":
-            keep = tf.constant(0xFF ^ FLAG_CHECKSUM, tf.uint8)
+            ignored = FLAG_CHECKSUM | (FLAG_ENTROPY if entropy else 0)
+            keep = tf.constant(0xFF ^ ignored, tf.uint8)
             got, want = tf.bitwise.bitwise_and(got, keep), tf.bitwise.bitwise_and(want, keep)
         same = tf.reduce_all(tf.equal(got, want), axis=1)
         if name == "reserved":

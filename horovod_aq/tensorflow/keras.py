@@ -292,12 +292,14 @@ def DistributedOptimizer(
     network: NetworkModel | None = None,
     telemetry: Telemetry | None = None,
     local_layers: Any = None,
+    wire: str = "fixed",
 ) -> keras.optimizers.Optimizer:
     """A copy of the Keras 3 ``optimizer`` (same class and config) that averages gradients over
     ``process_set`` with the packed quantized exchange before every update.
 
     The exchange arguments (``exchange``, ``fusion_bytes``, ``small_tensor_threshold``,
-    ``network``, ``telemetry``) are those of :func:`horovod_aq.tensorflow.DistributedGradientTape`.
+    ``network``, ``telemetry``, ``wire`` — "fixed" or "entropy", the entropy-coded
+    variable-length payloads) are those of :func:`horovod_aq.tensorflow.DistributedGradientTape`.
     Horovod's arguments keep their meaning: ``backward_passes_per_step``,
     ``average_aggregated_gradients``, ``scale_local_gradients``, ``process_set``, ``op``
     (``hvd.Average`` only); ``sparse_as_dense`` is accepted and implied; ``name`` renames the
@@ -318,7 +320,7 @@ def DistributedOptimizer(
             groups=groups, process_set=process_set,
             scale_local_gradients=scale_local_gradients, exchange=exchange,
             fusion_bytes=fusion_bytes, small_tensor_threshold=small_tensor_threshold,
-            network=network, telemetry=telemetry, local_layers=local_layers)
+            network=network, telemetry=telemetry, local_layers=local_layers, wire=wire)
         return keras.optimizers.LossScaleOptimizer(
             inner, initial_scale=optimizer.initial_scale,
             dynamic_growth_steps=optimizer.dynamic_growth_steps,
@@ -332,7 +334,8 @@ def DistributedOptimizer(
                          num_groups=num_groups, groups=groups, process_set=process_set,
                          scale_local_gradients=scale_local_gradients, exchange=exchange,
                          fusion_bytes=fusion_bytes, small_tensor_threshold=small_tensor_threshold,
-                         network=network, telemetry=telemetry, local_layers=local_layers)
+                         network=network, telemetry=telemetry, local_layers=local_layers,
+                         wire=wire)
     cls = _distributed_class(type(optimizer), settings)
     config = optimizer.get_config()
     if name is not None:
@@ -348,7 +351,7 @@ def _settings(compression: Any, *, op: Any = hvd.Average, device_dense: str = ""
               scale_local_gradients: bool = True, exchange: str = "auto",
               fusion_bytes: int = DEFAULT_FUSION_BYTES, small_tensor_threshold: int = 0,
               network: NetworkModel | None = None, telemetry: Telemetry | None = None,
-              local_layers: Any = None) -> _Settings:
+              local_layers: Any = None, wire: str = "fixed") -> _Settings:
     """Validate :func:`DistributedOptimizer`'s arguments into the settings its class carries."""
     check_average(op, hvd.Average, "horovod.tensorflow.keras.DistributedOptimizer")
     check_horovod_defaults("horovod_aq.keras.DistributedOptimizer", device_dense=device_dense,
@@ -362,7 +365,7 @@ def _settings(compression: Any, *, op: Any = hvd.Average, device_dense: str = ""
     packed = exchange_for(compression, process_set=process_set, exchange=exchange,
                           fusion_bytes=fusion_bytes,
                           small_tensor_threshold=small_tensor_threshold, network=network,
-                          telemetry=telemetry)
+                          telemetry=telemetry, wire=wire)
     local = tuple(v for layer in _as_layers(local_layers) for v in layer.trainable_weights)
     return _Settings(packed, int(backward_passes_per_step), bool(average_aggregated_gradients),
                      bool(scale_local_gradients), local)

@@ -15,6 +15,15 @@ chunks, decode and average chunk r, re-encode, allgather "aq.ag.<bucket>". Small
 them for NoCompression / FP16) go through a named allreduce. Every rank decodes the same bytes,
 so the averaged gradients are bitwise identical on all ranks.
 
+Coding (``wire=``): "fixed" payloads have one static size per bucket and code width; "entropy"
+payloads (docs/format.md §12, docs/protocol.md §5.4) have sizes known only when the graph runs
+(shape [None], no retrace): the allgather takes a different first dimension on every rank and
+the rows are delimited on receipt by their own headers (``packed.delimit``, no extra
+collective), the alltoall sends its chunks with their splits, and the decoders of variable rows
+read them (:mod:`horovod_aq.tensorflow.entropy`). The codes are those of the fixed wire, so the
+averages are bitwise the same. Telemetry counts the bytes really sent (``packed.send.
+sent_bytes``, summed in-graph into counters).
+
 The graph is built in stages, one method each (docs/protocol.md §13): (1) encode and submit
 every first collective and the small allreduces; (2a) check and decode every two-phase chunk;
 (2b) re-encode the averaged chunks and allgather them; (3) check and decode everything; then the
@@ -38,7 +47,6 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from horovod_aq.codec import HEADER_SIZE
 from horovod_aq.packed import plan as names
 from horovod_aq.packed.chunks import chunk_zero_spans
 from horovod_aq.packed.cost import chunk_numel
@@ -54,22 +62,24 @@ from horovod_aq.packed.protocol import (
     ExchangeSettings,
     Traffic,
     check_compression,
+    check_wire,
     handshake,
+    measured_traffic,
     plan_traffic,
     step_record,
 )
 from horovod_aq.packed.receive import receive_outcome
-from horovod_aq.packed.send import reencode_part, sent_values
+from horovod_aq.packed.send import reencode_part, sent_bytes, sent_values
 from horovod_aq.telemetry import StepRecord, Telemetry
 from horovod_aq.tensorflow.checks import translate_error
 from horovod_aq.tensorflow.comm import comm_for
-from horovod_aq.tensorflow.payloads import PayloadOps
+from horovod_aq.tensorflow.payloads import PayloadOps, Rows
 from horovod_aq.tensorflow.sources import dense_gradient, source_name, static_shape
 from horovod_aq.tensorflow.state import StatsSlot, TFState, state_variable, tf_state
 from horovod_aq.tensorflow.stats import aggregate_sum_sq
 from horovod_aq.tensorflow.step import end_step_in_graph
 
-__all__ = ["PackedExchange", "exchange_for"]
+__all__ = ["PackedExchange", "check_tf_wire", "exchange_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +108,7 @@ class _Sent:
     memory: tf.Variable       # the bucket's error memory h
     h: tf.Tensor              # h as read before compensating
     raw: tf.Tensor            # the bucket's local gradient g (flat, float32)
-    payloads: tf.Tensor       # the payload(s) sent: 1 (allgather) or P chunks (two-phase)
-    parts: int
+    payloads: list            # the payload(s) sent: 1 (allgather) or P chunks (two-phase)
     numel: int                # elements per payload
 
 
@@ -111,6 +120,8 @@ class _Trace:
     tensors: list[tf.Tensor]
     raise_nonfinite: bool
     first: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)   # stage 1 output
+    splits: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)  # received (a2a)
+    sent: list[tuple[tf.Tensor, tf.Tensor]] = dataclasses.field(default_factory=list)  # bytes
     small: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)   # by source
     own: dict[int, _Sent] = dataclasses.field(default_factory=dict)         # ECQ, by bucket
     chunk_avgs: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)  # stage 2a
@@ -133,8 +144,11 @@ class PackedExchange:
     """
 
     def __init__(self, compression: Any, *, process_set: hvd.ProcessSet,
-                 settings: ExchangeSettings, telemetry: Telemetry | None, index: int) -> None:
+                 settings: ExchangeSettings, telemetry: Telemetry | None, index: int,
+                 coding: str = "fixed") -> None:
         self.compression = compression
+        #: How payloads are coded: "fixed" or "entropy" (``wire=``; module docstring).
+        self.coding = coding
         self.quantizer = compression.quantizer    # table, bits, step, seed, refits
         self.process_set = process_set
         self.settings = settings
@@ -151,6 +165,11 @@ class PackedExchange:
         self._calls = state_variable(np.int64(0), name=f"aq_calls_{self.label}")
         self._plan_id = state_variable(np.int64(-1), name=f"aq_plan_{self.label}")
         self._skipped = state_variable(np.int64(0), name=f"aq_skipped_{self.label}")
+        #: Bytes of this rank's first-phase payloads and bytes it sent to other ranks, summed
+        #: in-graph over the exchanges (``packed.send.sent_bytes``; the small tensors'
+        #: allreduces are added by ``measured_traffic``).
+        self._sent = state_variable(np.zeros(2, np.int64), name=f"aq_sent_{self.label}")
+        self._sent_seen = np.zeros(2, np.int64)
         #: DQSGD: float64 Σ‖decoded aggregate‖² of the exchanges since the last refit.
         self._aggregate_sq = (state_variable(np.float64(0.0),
                                              name=f"aq_aggregate_sq_{self.label}")
@@ -158,7 +177,8 @@ class PackedExchange:
         self._calls_seen = 0
         self._skipped_seen = 0
         self._slot_ids = itertools.count()
-        self._ops = PayloadOps(compression, self._state, ranks=self.ranks, rank=hvd.rank())
+        self._ops = PayloadOps(compression, self._state, ranks=self.ranks, rank=hvd.rank(),
+                               coding=coding)
         #: Tapes' local gradient aggregations by backward_passes_per_step
         #: (:func:`horovod_aq.tensorflow.aggregation.aggregation_for`).
         self.aggregations: dict[int, Any] = {}
@@ -292,27 +312,46 @@ class PackedExchange:
         self._calls_seen, self._skipped_seen = calls, skipped
         return delta
 
+    def take_sent(self) -> dict[str, int]:
+        """``payload_bytes`` and ``bytes_sent`` (quantized buckets only) that this rank's
+        exchanges really sent since the last call (eager; the in-graph counters)."""
+        total = self._sent.numpy().astype(np.int64)
+        delta, self._sent_seen = total - self._sent_seen, total
+        return {"payload_bytes": int(delta[0]), "bytes_sent": int(delta[1])}
+
     def record_step(self, step: int, refitted: bool, calls: int, skipped: int = 0,
                     bits: int | None = None) -> StepRecord:
         """Record the telemetry of the step that just ended (the last layout that ran);
-        ``bits`` is the code width the step used (default: the current table's)."""
+        ``bits`` is the code width the step used (default: the current table's). The byte
+        counts are the measured ones (``protocol.measured_traffic``: the sizes really sent, so
+        ``bits_per_coordinate`` is the entropy wire's real rate; docs/protocol.md §8)."""
         plan_id = int(self._plan_id.numpy())
         plan = self._plan_list[plan_id] if 0 <= plan_id < len(self._plan_list) else None
         comp = self.compression
         if bits is None:
             bits = comp.code_bits
+        sent = self.take_sent()
         rec = step_record(comp, step=step, ranks=self.ranks, bits=bits,
                           traffic=None if plan is None else self._traffic(plan, bits),
                           calls=calls, refitted=refitted, skipped=skipped)
+        if plan is not None:
+            measured = measured_traffic(self._traffic(plan, bits), sent,
+                                        self._small_numels(plan) * calls,
+                                        fp16=comp.fp16_wire, ranks=self.ranks)
+            rec.payload_bytes, rec.bytes_sent = measured["payload_bytes"], measured["bytes_sent"]
         self.telemetry.record(rec)
         return rec
+
+    @staticmethod
+    def _small_numels(plan: _Plan) -> list[int]:
+        return [int(np.prod(plan.shapes[i], dtype=np.int64)) for i in plan.small]
 
     def _traffic(self, plan: _Plan, bits: int) -> Traffic:
         """What one exchange of ``plan`` sends at code width ``bits``."""
         if bits not in plan.traffic:
-            numels = [int(np.prod(plan.shapes[i], dtype=np.int64)) for i in plan.small]
             plan.traffic[bits] = plan_traffic(
-                plan.buckets, numels, fp16=self.compression.fp16_wire, bits=bits,
+                plan.buckets, self._small_numels(plan), fp16=self.compression.fp16_wire,
+                bits=bits,
                 bucket_size=self.compression.bucket_size, ranks=self.ranks)
         return plan.traffic[bits]
 
@@ -338,7 +377,7 @@ class PackedExchange:
                    for b in plans]
         small = [order[m] for m in small]
         plan = _Plan(len(self._plan_list), source_names, shapes, buckets, small,
-                     layout_digest(buckets, [source_names[i] for i in small]), {})
+                     layout_digest(buckets, [source_names[i] for i in small], self.coding), {})
         plan.content = content
         for b in buckets:
             offset = 0
@@ -389,18 +428,28 @@ class PackedExchange:
                 def compensate(g: tf.Tensor, h: tf.Tensor = h) -> tf.Tensor:
                     return ef.compensate_value(g, h)                # g + α·h
             slot = self._slot(b.numel, b.name)
-            payloads = self._ops.send(raw, b, mode=b.mode, compensate=compensate,
-                                      record=None if slot is None else slot.record)
-            if b.mode == "allgather":
-                sent = (payloads, 1, b.numel)
-                t.first[b.index] = hvd.allgather(payloads, name=names.allgather_name(b.name),
+            sent = self._ops.send_parts(raw, b, mode=b.mode, compensate=compensate,
+                                        record=None if slot is None else slot.record)
+            sizes = [tf.size(p, out_type=tf.int64) for p in sent]
+            t.sent.append(sent_bytes(b.mode, sizes, ps.rank(), P))
+            if b.mode == "allgather":   # any first dimension per rank (entropy: delimited)
+                numel = b.numel
+                t.first[b.index] = hvd.allgather(sent[0], name=names.allgather_name(b.name),
                                                  ignore_name_scope=True, process_set=ps)
             else:
-                sent = (payloads, P, chunk_numel(b.numel, P, comp.bucket_size))
-                t.first[b.index] = hvd.alltoall(payloads, name=names.alltoall_name(b.name),
-                                                ignore_name_scope=True, process_set=ps)
+                numel = chunk_numel(b.numel, P, comp.bucket_size)
+                payloads = tf.concat(sent, axis=0)
+                name = names.alltoall_name(b.name)
+                if self._ops.variable:   # the chunks with their sizes; received splits back
+                    t.first[b.index], t.splits[b.index] = hvd.alltoall(
+                        payloads, splits=tf.cast(tf.stack(sizes), tf.int32), name=name,
+                        ignore_name_scope=True,
+                        process_set=ps)
+                else:
+                    t.first[b.index] = hvd.alltoall(payloads, name=name,
+                                                    ignore_name_scope=True, process_set=ps)
             if ef is not None:
-                t.own[b.index] = _Sent(memory, h, raw, *sent)
+                t.own[b.index] = _Sent(memory, h, raw, sent, numel)
         for i in t.plan.small:
             g = t.tensors[i]
             wire = tf.cast(g, tf.float16) if comp.fp16_wire else g
@@ -417,7 +466,7 @@ class PackedExchange:
                 if b.mode != "two_phase":
                     continue
                 m = chunk_numel(b.numel, self.ranks, self.compression.bucket_size)
-                rows = self._ops.rows(t.first[b.index], m, b)
+                rows = self._ops.rows(t.first[b.index], m, b, t.splits.get(b.index))
                 bad, check = self._nonfinite_check(t.plan, b, rows, t.raise_nonfinite,
                                                    names.alltoall_name(b.name))
                 t.skipped.append(bad)
@@ -441,6 +490,9 @@ class PackedExchange:
                 for lo, hi in chunk_zero_spans(b.numel, m, ps.rank()):
                     avg = tf.concat([avg[:lo], tf.zeros([hi - lo], avg.dtype), avg[hi:]], axis=0)
                 payload = self._ops.send(avg, b, mode="allgather", first_part=reencode_part(P))
+                size = tf.size(payload, out_type=tf.int64)
+                t.sent.append((tf.constant(0, tf.int64), sent_bytes("allgather", [size],
+                                                                    ps.rank(), P)[1]))
                 t.second[b.index] = hvd.allgather(payload, name=names.allgather_name(b.name),
                                                   ignore_name_scope=True, process_set=ps)
 
@@ -488,8 +540,11 @@ class PackedExchange:
         if self._aggregate_sq is not None:
             decoded = t.decoded + [(t.small[i], tf.constant(False)) for i in t.plan.small]
             side_effects.append(self._aggregate_sq.assign_add(aggregate_sum_sq(decoded)))
+        sent = (tf.reduce_sum(tf.stack([tf.stack(pair) for pair in t.sent]), axis=0) if t.sent
+                else tf.zeros([2], tf.int64))
         counters = [self._calls.assign_add(1), self._plan_id.assign(t.plan.index),
-                    self._skipped.assign_add(tf.cast(any_skipped, tf.int64))]
+                    self._skipped.assign_add(tf.cast(any_skipped, tf.int64)),
+                    self._sent.assign_add(sent)]
         with tf.control_dependencies(side_effects + counters):
             ended = end_step_in_graph(self.compression, self.process_set)
         with tf.control_dependencies([ended]):
@@ -510,10 +565,8 @@ class PackedExchange:
                 numel = int(sent.raw.shape.num_elements())
 
                 def commit(sent=sent, numel=numel) -> tf.Tensor:
-                    rows = tf.reshape(sent.payloads, [sent.parts, -1])
                     decoded = sent_values(                                # g̃
-                        [rows[r:r + 1] for r in range(sent.parts)],
-                        lambda row, m=sent.numel: self._ops.decode_rows(row, m, check=False),
+                        sent.payloads, lambda p, m=sent.numel: self._ops.decode_own(p, m),
                         lambda values: tf.concat(values, axis=0), numel)
                     new = ef.updated_memory(sent.h, sent.raw, decoded)   # β·h + (g − g̃)
                     deps = []
@@ -529,7 +582,7 @@ class PackedExchange:
                 ops.append(tf.cond(any_skipped, lambda: tf.constant(False), commit))
         return ops
 
-    def _nonfinite_check(self, plan: _Plan, bucket: BucketPlan, rows: tf.Tensor,
+    def _nonfinite_check(self, plan: _Plan, bucket: BucketPlan, rows: Rows,
                          raise_nonfinite: bool, collective: str) -> tuple[tf.Tensor, tf.Tensor]:
         """(any marker among ``rows``, the op that raises on one when ``raise_nonfinite``).
 
@@ -552,27 +605,42 @@ class PackedExchange:
             return np.bool_(True)
 
         check = tf.cond(any_bad, lambda: tf.numpy_function(
-            decide, [rows[:, :HEADER_SIZE]], tf.bool, stateful=True, name="aq_receive_outcome"),
+            decide, [self._ops.heads(rows)], tf.bool, stateful=True, name="aq_receive_outcome"),
             lambda: tf.constant(True))
         return any_bad, check
 
 
+def check_tf_wire(wire: Any) -> str:
+    """The ``wire=`` of the TensorFlow tape and Keras optimizer: "fixed" or "entropy"
+    (``packed.protocol.check_wire``). "auto" (the measured link model, docs/protocol.md §5.5)
+    is refused with what to pass instead: it is implemented for the PyTorch exchanges only."""
+    if isinstance(wire, str) and wire == "auto":
+        raise ValueError("wire='auto' (the measured link model, docs/protocol.md §5.5) is "
+                         "implemented for the PyTorch exchanges only for now; pass "
+                         "wire='fixed' or wire='entropy' to the TensorFlow tape and the Keras "
+                         "optimizer")
+    return check_wire(wire)
+
+
 def exchange_for(compression: Any, *, process_set: hvd.ProcessSet, exchange: str = "auto",
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, small_tensor_threshold: int = 0,
-                 network: Any = None, telemetry: Telemetry | None = None) -> PackedExchange:
-    """The :class:`PackedExchange` of ``compression`` with these settings (created once)."""
+                 network: Any = None, telemetry: Telemetry | None = None,
+                 wire: str = "fixed") -> PackedExchange:
+    """The :class:`PackedExchange` of ``compression`` with these settings (created once);
+    ``wire``: how payloads are coded, "fixed" or "entropy" (:func:`check_tf_wire`)."""
     check_compression(compression, "hvd.DistributedGradientTape")
+    wire = check_tf_wire(wire)
     settings = ExchangeSettings(exchange, fusion_bytes, small_tensor_threshold, network)
     if not hvd.is_initialized():
         raise RuntimeError("call horovod.tensorflow.init() before creating the packed exchange")
     state = tf_state(compression)
     key = (process_set.process_set_id, settings,
-           id(telemetry) if telemetry is not None else None)
+           id(telemetry) if telemetry is not None else None, wire)
     with state.lock:
         found = state.exchanges.get(key)
     if found is None:
         found = PackedExchange(compression, process_set=process_set, settings=settings,
-                               telemetry=telemetry, index=len(state.exchanges))
+                               telemetry=telemetry, index=len(state.exchanges), coding=wire)
         with state.lock:
             state.exchanges[key] = found
     return found

@@ -6,6 +6,12 @@ format's stream keys, the non-finite marker instead when the bucket cannot trave
 rows, their decoding and averaging. Everything reads the table variables of
 :mod:`horovod_aq.tensorflow.state`, so a refit or a DQSGD width change never retraces: a
 fixed-width compressor builds one branch, DQSGD one per width under a ``tf.switch_case``.
+
+Coding (``coding``, the exchange's ``wire=``): "fixed" payloads have one static size per width
+and arrive as [P, size] rows; "entropy" payloads (docs/format.md §12) have sizes known only at
+run time (shape [None]) and arrive as :class:`~horovod_aq.tensorflow.entropy.VariableRows`
+(delimited on receipt, docs/protocol.md §5.4); their encoders and decoders are the compiled
+host kernels of :mod:`horovod_aq.tensorflow.entropy`. Markers are fixed-size on both wires.
 """
 
 from __future__ import annotations
@@ -30,10 +36,14 @@ from horovod_aq.packed.marker import Marker, marker_for, marker_index
 from horovod_aq.packed.plan import BucketPlan
 from horovod_aq.packed.protocol import norm_may_overflow
 from horovod_aq.packed.send import SendSteps, first_bad_element, send_bucket
-from horovod_aq.tensorflow import kernels
+from horovod_aq.tensorflow import entropy, kernels
+from horovod_aq.tensorflow.entropy import VariableRows
 from horovod_aq.tensorflow.state import TFState, WidthState
 
-__all__ = ["PayloadOps"]
+__all__ = ["PayloadOps", "Rows"]
+
+#: Received payloads: [P, size] rows (fixed coding) or :class:`VariableRows` (entropy coding).
+Rows = tf.Tensor | VariableRows
 
 
 class _Unsendable(NamedTuple):
@@ -62,13 +72,20 @@ def _peak(v: np.ndarray) -> float:
 class PayloadOps:
     """Encode, mark, gather-check and decode payloads of one compressor in-graph."""
 
-    def __init__(self, compression: Any, state: TFState, *, ranks: int, rank: int) -> None:
+    def __init__(self, compression: Any, state: TFState, *, ranks: int, rank: int,
+                  coding: str = "fixed") -> None:
         self.compression = compression
         self.state = state
         self.ranks = ranks            #: P, the process set's size
         self.rank = rank              #: the global rank (keys the random stream)
+        self.coding = coding          #: "fixed" or "entropy" (``packed.plan.CODINGS``)
         #: called with every payload encoded, when the graph runs (``PackedExchange.tap``)
         self.tap: Callable[..., Any] | None = None
+
+    @property
+    def variable(self) -> bool:
+        """Whether payload sizes vary by rank and step (the entropy-coded wire)."""
+        return self.coding == "entropy"
 
     # ------------------------------------------------------------------ widths
     def stream_key(self, bucket_index: int, part: int) -> tuple:
@@ -97,6 +114,12 @@ class PayloadOps:
         """Encode a flat float32 tensor of ``numel`` elements with the table variables of the
         current width and the uniforms of the stream ``key``."""
         comp = self.compression
+        if self.variable:   # codec.encode_entropy's bytes, of the same stream (shape [None])
+            _, _, step, bucket, part = key
+            return self.by_width(lambda w: entropy.encode_entropy(
+                x, lambda: w.source.table, seed=comp.quantizer.seed, rank=self.rank,
+                step=step, bucket=bucket, part=part, bucket_size=comp.bucket_size,
+                norm=comp.norm, checksum=comp.quantizer.checksum))
         return self.by_width(lambda w: kernels.encode_with(
             x, w.levels, self.header(w, numel), bits=w.bits, bucket_size=comp.bucket_size,
             norm=comp.norm, key=key, check=False, checksum=comp.quantizer.checksum))
@@ -105,6 +128,15 @@ class PayloadOps:
              compensate: Callable[[tf.Tensor], tf.Tensor] | None = None,
              record: Callable[[tf.Tensor], tf.Tensor] | None = None,
              first_part: int = 0) -> tf.Tensor:
+        """:meth:`send_parts`, concatenated (what a collective without splits sends)."""
+        sent = self.send_parts(raw, bucket, mode=mode, compensate=compensate, record=record,
+                               first_part=first_part)
+        return sent[0] if len(sent) == 1 else tf.concat(sent, axis=0)
+
+    def send_parts(self, raw: tf.Tensor, bucket: BucketPlan, *, mode: str,
+                   compensate: Callable[[tf.Tensor], tf.Tensor] | None = None,
+                   record: Callable[[tf.Tensor], tf.Tensor] | None = None,
+                   first_part: int = 0) -> list[tf.Tensor]:
         """The payloads of the flat float32 ``raw`` sent by ``mode`` ("allgather": one payload;
         "two_phase": the P chunks of the zero-padded bucket, streams ``first_part`` …), in the
         order of :func:`horovod_aq.packed.send.send_bucket`: compensate (``compensate``: g + α·h),
@@ -132,8 +164,7 @@ class PayloadOps:
             first_bad=self._first_bad, record=record_stats,
             parts=lambda x: self._parts(x, layout), encode=encode,
             markers=lambda bad: self._markers(bad, mode), branch=_graph_branch)
-        sent = send_bucket(raw, steps)
-        return sent[0] if len(sent) == 1 else tf.concat(sent, axis=0)
+        return list(send_bucket(raw, steps))
 
     @staticmethod
     def _parts(x: tf.Tensor, layout: Marker) -> list[tf.Tensor]:
@@ -215,13 +246,20 @@ class PayloadOps:
             return tf.identity(payload)
 
     # ------------------------------------------------------------------ receive
-    def rows(self, gathered: tf.Tensor, numel: int, bucket: BucketPlan) -> tf.Tensor:
+    def rows(self, gathered: tf.Tensor, numel: int, bucket: BucketPlan,
+             splits: tf.Tensor | None = None) -> Rows:
         """The gathered (or all-to-all received) payloads of ``numel`` elements as [P, size].
 
         With DQSGD the size is only known at run time: it is checked first against this rank's
         width, so that ranks disagreeing on the width fail with a clear message on every rank
-        (every rank received the same sizes) instead of decoding misaligned rows."""
+        (every rank received the same sizes) instead of decoding misaligned rows.
+
+        Entropy coding: :class:`VariableRows`, sized by the alltoall's received ``splits`` or,
+        for an allgather, by the payloads' own headers (``entropy.delimited``)."""
         P, st = self.ranks, self.state
+        if self.variable:
+            return (entropy.delimited(gathered, P) if splits is None
+                    else entropy.received(gathered, splits, P))
         if st.width_index is None:
             return tf.reshape(gathered, [P, -1])
         B = self.compression.bucket_size
@@ -238,30 +276,50 @@ class PayloadOps:
         with tf.control_dependencies([check]):
             return tf.reshape(gathered, [P, -1])
 
-    def header_checks(self, rows: tf.Tensor, numel: int, check: bool) -> list:
+    @staticmethod
+    def heads(rows: Rows) -> tf.Tensor:
+        """[P, 32]: the header bytes of every received row."""
+        return rows.heads if isinstance(rows, VariableRows) else rows[:, :HEADER_SIZE]
+
+    def header_checks(self, rows: Rows, numel: int, check: bool) -> list:
         """DQSGD: the decoder's header check of every row of ``rows`` [P, size], done once
         against the current width's expected header (outside the width branches, which then
         skip it: the check's assertions are most of a decoder's graph). Fixed width: none here,
-        the kernel checks."""
+        the kernel checks. Entropy coding: always here (the host decoders then check the
+        headers against the table once more, with the oracle's messages)."""
         st = self.state
-        if st.width_index is None or not check:
+        variable = isinstance(rows, VariableRows)
+        if not check or (st.width_index is None and not variable):
             return []
-        expected = tf.gather(tf.stack([self.header(w, numel) for w in st.widths]),
-                             st.width_index.read_value())
-        return kernels.decoder_header_check(rows[:, :HEADER_SIZE], expected)
+        if st.width_index is None:
+            expected = self.header(st.widths[0], numel)
+        else:
+            expected = tf.gather(tf.stack([self.header(w, numel) for w in st.widths]),
+                                 st.width_index.read_value())
+        return kernels.decoder_header_check(self.heads(rows), expected, entropy=variable)
 
-    def decode_average(self, rows: tf.Tensor, numel: int) -> tf.Tensor:
+    def decode_average(self, rows: Rows, numel: int) -> tf.Tensor:
         """Decode the P rows of ``rows`` and average them (header checks included)."""
         B = self.compression.bucket_size
+        if isinstance(rows, VariableRows):
+            with tf.control_dependencies(self.header_checks(rows, numel, True)):
+                return self.by_width(lambda w: entropy.decode_average(
+                    rows, lambda: w.source.table, numel=numel, bucket_size=B,
+                    norm=self.compression.norm))
         inner = self.state.width_index is None
         with tf.control_dependencies(self.header_checks(rows, numel, True)):
             return self.by_width(lambda w: kernels.decode_average_with(
                 rows, w.levels, self.header(w, numel), numel=numel, bits=w.bits,
                 bucket_size=B, check=inner))
 
-    def decode_rows(self, rows: tf.Tensor, numel: int, check: bool = True) -> tf.Tensor:
+    def decode_rows(self, rows: Rows, numel: int, check: bool = True) -> tf.Tensor:
         """Decode every row of ``rows`` [R, size] and concatenate them (R·numel values)."""
         B = self.compression.bucket_size
+        if isinstance(rows, VariableRows):
+            with tf.control_dependencies(self.header_checks(rows, numel, check)):
+                return self.by_width(lambda w: entropy.decode_rows(
+                    rows, lambda: w.source.table, numel=numel, bucket_size=B,
+                    norm=self.compression.norm))
         inner = check and self.state.width_index is None
 
         def decode(w: WidthState) -> tf.Tensor:
@@ -273,6 +331,16 @@ class PayloadOps:
         with tf.control_dependencies(self.header_checks(rows, numel, check)):
             return self.by_width(decode)
 
-    def flagged(self, rows: tf.Tensor) -> tf.Tensor:
-        """Per row of ``rows`` [P, size]: whether it is a non-finite marker."""
-        return tf.bitwise.bitwise_and(rows[:, FLAGS_OFFSET], FLAG_NONFINITE) > 0
+    def decode_own(self, payload: tf.Tensor, numel: int) -> tf.Tensor:
+        """One of this rank's own payloads (``numel`` elements) decoded without checks
+        (ECQ-SGD's g̃)."""
+        if self.variable:
+            B = self.compression.bucket_size
+            return self.by_width(lambda w: entropy.decode_rows(
+                [payload], lambda: w.source.table, numel=numel, bucket_size=B,
+                norm=self.compression.norm))
+        return self.decode_rows(tf.reshape(payload, [1, -1]), numel, check=False)
+
+    def flagged(self, rows: Rows) -> tf.Tensor:
+        """Per row of ``rows``: whether it is a non-finite marker."""
+        return tf.bitwise.bitwise_and(self.heads(rows)[:, FLAGS_OFFSET], FLAG_NONFINITE) > 0

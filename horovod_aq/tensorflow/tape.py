@@ -198,6 +198,7 @@ def DistributedGradientTape(
     small_tensor_threshold: int = 0,
     network: NetworkModel | None = None,
     telemetry: Telemetry | None = None,
+    wire: str = "fixed",
     op: Any = hvd.Average,
     sparse_as_dense: bool = False,
     backward_passes_per_step: int = 1,
@@ -222,6 +223,9 @@ def DistributedGradientTape(
         small_tensor_threshold: sources with fewer elements are allreduced uncompressed.
         network: parameters of the exchange cost model.
         telemetry: where step records go (default: an in-memory :class:`Telemetry`).
+        wire: "fixed" (fixed-width codes, one payload size per bucket) or "entropy" (the
+            entropy-coded, variable-length payloads of docs/format.md §12: the same averages,
+            fewer bytes; docs/protocol.md §5.4). "auto" is PyTorch-only for now.
         op: only ``hvd.Average`` (the packed exchange averages).
         sparse_as_dense: accepted for Horovod compatibility; IndexedSlices are always densified
             (to the source's static shape).
@@ -242,7 +246,7 @@ def DistributedGradientTape(
     packed = exchange_for(resolve_compression(compression), process_set=process_set,
                           exchange=exchange, fusion_bytes=fusion_bytes,
                           small_tensor_threshold=small_tensor_threshold, network=network,
-                          telemetry=telemetry)
+                          telemetry=telemetry, wire=wire)
     aggregation = None
     if backward_passes_per_step != 1:
         aggregation = aggregation_for(packed, backward_passes_per_step)
