@@ -45,16 +45,23 @@ def test_example_alq(tmp_path, script):
     assert summary["test_acc"] > 0.3                       # chance is 0.1
     tele = run["telemetry"]
     assert tele, "rank 0 wrote no telemetry"
-    # one fused bucket holds every parameter; allgather on 2 ranks: bytes sent = (P−1)·payload
+    # one fused bucket holds every parameter; allgather on 2 ranks: bytes sent = (P−1)·payload.
+    # TF sends fixed-width payloads; torch's wire="auto" (its default) sends entropy-coded ones
+    # on half of its measurement steps (docs/protocol.md §5.5), never larger than fixed-width
     numel = tele[0]["numel_quantized"]
     payload = cost.payload_bytes(numel, 3, 1024)
     for rec in tele:
-        assert rec["payload_bytes"] == payload
-        assert rec["bytes_sent"] == payload
+        assert rec["payload_bytes"] == payload or (
+            script == "pytorch_mnist.py" and 0 < rec["payload_bytes"] < payload)
+        assert rec["bytes_sent"] == rec["payload_bytes"]
         assert rec["bytes_fp32"] == 4 * numel              # 2(P−1)/P·4n at P = 2
-        assert math.isclose(rec["bits_per_coordinate"], 8 * payload / numel)
+        assert math.isclose(rec["bits_per_coordinate"], 8 * rec["payload_bytes"] / numel)
+    assert tele[0]["payload_bytes"] == payload           # the warm-up steps: fixed width
+    if script == "pytorch_mnist.py":
+        assert any(rec["payload_bytes"] < payload for rec in tele)   # measured entropy-coded
     assert tele[0]["refit"] and tele[0]["table_version"] == 1
-    assert summary["compression_ratio"] == pytest.approx(4 * numel / payload, rel=1e-9)
+    assert summary["compression_ratio"] == pytest.approx(
+        4 * numel * len(tele) / sum(rec["payload_bytes"] for rec in tele), rel=1e-9)
     assert "test accuracy" in run["stdout"] and "fp32 allreduce would send" in run["stdout"]
     for png in ("curves.png", "levels.png"):
         assert (run["out"] / png).stat().st_size > 10_000

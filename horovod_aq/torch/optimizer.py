@@ -134,6 +134,8 @@ class _PackedOptimizer(torch.optim.Optimizer):
         self._aq_deadline = Deadline(stall_timeout, step=lambda: self._aq_q.step)
         self._aq_checked = False
         self._aq_skip = False
+        #: The first error a bucket of this step raised (kept until every bucket finished).
+        self._aq_error: BaseException | None = None
         #: A collective of this step was submitted by this rank (zero_grad can no longer
         #: forget the step: the other ranks would wait for, or meet, that collective).
         self._aq_submitted = False
@@ -404,8 +406,23 @@ class _PackedOptimizer(torch.optim.Optimizer):
 
     def _aq_result(self, bucket: _Bucket) -> torch.Tensor:
         """The bucket's average (waits), handed over once: the compressor sees it (DQSGD's next
-        width), op=hvd.Sum scales it; a skipped bucket (nonfinite="skip") skips the step."""
-        result = self._aq_wire.finish(bucket)
+        width), op=hvd.Sum scales it; a skipped bucket (nonfinite="skip") skips the step.
+
+        A bucket that raises (a non-finite marker, a stall, a bad payload: every rank meets the
+        same error at the same bucket) keeps its error for :meth:`synchronize`, which raises it
+        once every other bucket of the step has finished: no rank leaves the step while another
+        still waits for one of its collectives (it would see Horovod shut down instead)."""
+        if bucket.stage == "failed":
+            return bucket.result
+        try:
+            result = self._aq_wire.finish(bucket)
+        except Exception as exc:
+            if self._aq_error is None:
+                self._aq_error = exc
+            bucket.stage, bucket.pending = "failed", None
+            bucket.result = torch.zeros(bucket.numel, dtype=torch.float32,
+                                        device=bucket.buffer.device)
+            return bucket.result
         if not bucket.delivered:
             bucket.delivered = True
             if bucket.skipped:
@@ -422,7 +439,14 @@ class _PackedOptimizer(torch.optim.Optimizer):
         if self._aq_started is None:
             checkpoint.adopt_broadcast(self)
         self._aq_skip = False
+        self._aq_error = None
         _HorovodOptimizer.synchronize(self)
+        if self._aq_error is not None:   # after every bucket finished (_aq_result)
+            error, self._aq_error = self._aq_error, None
+            self._aq_submitted, self._aq_started = False, None   # the step did not happen
+            for bucket in self._aq_buckets:
+                bucket.reset()
+            raise error
         if not self.process_set.included():
             return
         self._aq_submitted = False
