@@ -70,6 +70,7 @@ from horovod_aq.packed.receive import JoinedRankError
 from horovod_aq.packed.waiting import Deadline, ExchangeStalledError
 from horovod_aq.packed.waiting import stall_timeout_s as stall_timeout_s_of
 from horovod_aq.packed.wire_setting import WireSetting
+from horovod_aq.packed.world import World, replan_reason
 from horovod_aq.telemetry import Telemetry
 from horovod_aq.torch import arguments, checkpoint
 from horovod_aq.torch.checkpoint import BROADCAST_KEY
@@ -140,14 +141,12 @@ class _PackedOptimizer(torch.optim.Optimizer):
         #: forget the step: the other ranks would wait for, or meet, that collective).
         self._aq_submitted = False
         self._aq_started: tuple[int, int] | None = None   # (step, code bits) of this exchange
-        self._aq_traffic: dict[int, Traffic] = {}
         #: NoCompression/FP16: every gradient takes Horovod's own allreduce path (its op,
         #: scaling, groups and sparse handling), as ``hvd.DistributedOptimizer`` would.
         self._aq_passthrough = not compression.quantizes and compression.error_memory is None
         self._aq_sum = op == Sum
         self._aq_groups = groups
         self._aq_ckpt = checkpoint.Checkpoint()
-        self._aq_comm_cache = None
         if self._aq_passthrough:
             _HorovodOptimizer.__init__(
                 self, params, named_parameters,
@@ -163,28 +162,69 @@ class _PackedOptimizer(torch.optim.Optimizer):
                 sparse_as_dense=sparse_as_dense, process_set=process_set)
         checkpoint.watch_broadcasts(self)
         self._aq_active = bool(self._requires_update)
-        self._aq_ranks = process_set.size() if process_set.included() else 1
-        #: The engine (None on the pass-through): the global rank keys the random stream.
-        self._aq_wire = None if self._aq_passthrough else Wire(
-            compression, HorovodCollectives(process_set), stream_rank=hvd.rank(),
-            deadline=self._aq_deadline)
-        #: Content name of this exchange (docs/protocol.md §6): the same on every rank that
-        #: builds the same model and settings, however many other optimizers a rank created.
-        self._aq_prefix = names.exchange_key(compression.name, [
-            (self._parameter_names[p], p.numel()) for group in self.param_groups
-            for p in group["params"] if p.requires_grad], (
-            settings.exchange, settings.fusion_bytes, settings.small_tensor_threshold,
-            self._aq_ranks, backward_passes_per_step,
-            arguments.groups_key(groups, self._parameter_names)))
-        #: How the buckets' payloads are coded, per step (``wire=``; docs/protocol.md §5.5).
-        self._aq_wire_setting = WireSetting(wire, name=self._aq_prefix)
-        if self._aq_wire is not None:
-            self._aq_wire_setting.attach(self._aq_wire)
+        self._aq_groups_key = arguments.groups_key(groups, self._parameter_names)
         # Horovod's split of an average into a pre- and a post-scale (the C++ side divides by
         # the set size for Average); the small-tensor allreduces use it as Horovod does.
         self._aq_scale = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
                           if op == Average else (1.0, 1.0))
+        self._aq_wire = None
+        self._aq_build(self._aq_world_now())
+
+    # ------------------------------------------------------------------ the world
+    def _aq_world_now(self) -> World:
+        """This rank's place in the world as Horovod sees it now (``packed.world``)."""
+        ps = self.process_set
+        inside = bool(ps.included())
+        return World(size=ps.size() if inside else 1, rank=ps.rank() if inside else 0,
+                     global_rank=hvd.rank())
+
+    def _aq_build(self, world: World) -> None:
+        """Derive everything that depends on the world (at construction, and again after an
+        elastic change of world): the rank count, the engine with its collectives (this rank's
+        chunk, the global rank that keys the random stream), the exchange's content name, the
+        ``wire=`` setting (its measurement starts afresh), the refit Comm, the traffic cache and
+        the bucket plan; the handshake runs before the next exchange."""
+        self._aq_world = world
+        self._aq_ranks = world.size
+        tap = self._aq_wire.tap if self._aq_wire is not None else None
+        #: The engine (None on the pass-through): the global rank keys the random stream.
+        self._aq_wire = None if self._aq_passthrough else Wire(
+            self._aq, HorovodCollectives(self.process_set), stream_rank=world.global_rank,
+            deadline=self._aq_deadline)
+        if self._aq_wire is not None:
+            self._aq_wire.tap = tap
+        settings = self._aq_settings
+        #: Content name of this exchange (docs/protocol.md §6): the same on every rank that
+        #: builds the same model and settings, however many other optimizers a rank created.
+        self._aq_prefix = names.exchange_key(self._aq.name, [
+            (self._parameter_names[p], p.numel()) for group in self.param_groups
+            for p in group["params"] if p.requires_grad], (
+            settings.exchange, settings.fusion_bytes, settings.small_tensor_threshold,
+            self._aq_ranks, self.backward_passes_per_step, self._aq_groups_key))
+        #: How the buckets' payloads are coded, per step (``wire=``; docs/protocol.md §5.5).
+        self._aq_wire_setting = WireSetting(self._aq_wire_arg, name=self._aq_prefix)
+        if self._aq_wire is not None:
+            self._aq_wire_setting.attach(self._aq_wire)
+        self._aq_comm_cache = None
+        self._aq_traffic: dict[int, Traffic] = {}
         self._aq_plan()
+        self._aq_checked = False
+
+    def _aq_follow_world(self) -> None:
+        """At the first gradient of a step (every rank at the same step boundary, where elastic
+        Horovod changes the world): re-derive the exchange if the world is not the one it was
+        planned for, and restart the error memory from zero (docs/horovod_compat.md § Elastic
+        Horovod). A rank that did not re-plan meets the others' handshake and every rank raises
+        the same ConfigMismatchError."""
+        now = self._aq_world_now()
+        reason = replan_reason(self._aq_world, now)
+        if reason is None:
+            return
+        logger.info("horovod_aq: %s: %s; planning the exchange again (buckets, collectives, "
+                    "wire measurement; error memory from zero)", self._aq.name, reason)
+        if self._aq.error_memory is not None:
+            self._aq.error_memory.reset(reason)
+        self._aq_build(now)
 
     # ------------------------------------------------------------------ layout
     def _aq_plan(self) -> None:
@@ -318,6 +358,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         if self._aq_started is None:
             self._aq_check_parameters()
             checkpoint.adopt_broadcast(self)
+            self._aq_follow_world()
         if not self._aq_checked:   # one allgather; every rank raises the same error
             self._aq_checked = True
             handshake(self._aq_comm, self._aq, self._aq_layout)
