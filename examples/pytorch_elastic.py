@@ -26,9 +26,9 @@ rank; each rank keeps its own random stream (docs/horovod_compat.md § Elastic H
 The global batch (``--global-batch``, default 96) is the same at every world size and split
 evenly over the ranks, so a run that resizes sees the same samples in the same steps as one that
 does not: their accuracies are comparable. ``--exchange stock`` (default) is Horovod's own
-``hvd.DistributedOptimizer(compression=comp)``; the packed
-``horovod_aq.torch.DistributedOptimizer`` does not follow a change of world yet: every rank
-raises ``ConfigMismatchError`` at the first step after it (docs/horovod_compat.md § Elastic
+``hvd.DistributedOptimizer(compression=comp)``; the others are the packed
+``horovod_aq.torch.DistributedOptimizer`` with that ``exchange=``, which plans its exchange again
+at the first step in every new world (one INFO line per rank; docs/horovod_compat.md § Elastic
 Horovod).
 
 Rank 0 prints one line per epoch and every change of world; ``--out`` receives ``metrics.json``:
@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     hvd.init()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # the packed optimizer's one line per re-plan after a change of world
+    logging.getLogger("horovod_aq.torch.optimizer").setLevel(logging.INFO)
     torch.manual_seed(args.seed)
     train, test = load_mnist_5k(seed=args.seed)
     xs, ys = torch.from_numpy(train.images[:, None]), torch.from_numpy(train.labels)

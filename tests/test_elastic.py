@@ -25,7 +25,8 @@ import pytest
 
 import horovod_aq
 from horovod_aq.elastic import synced_state
-from horovod_aq.tools.launcher import run_elastic, run_local
+from horovod_aq.packed.world import World, replan_reason
+from horovod_aq.tools.launcher import ElasticRun, run_elastic, run_local
 from tests.ranks import init_torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +63,18 @@ def test_sync_takes_rank_0s_state_but_keeps_this_ranks_streams_and_drops_memory(
     # a new worker has no stream yet: it gets none (it starts its own at its first gradient)
     fresh = horovod_aq.ALQ(bits=3).state_dict()
     assert "framework" not in synced_state(root, fresh)
+
+
+def test_a_packed_exchange_is_planned_again_when_its_world_changes():
+    planned = World(size=2, rank=1, global_rank=1)
+    assert replan_reason(planned, World(size=2, rank=1, global_rank=1)) is None
+    grown, renumbered, moved = (World(size=3, rank=1, global_rank=1),
+                                World(size=2, rank=0, global_rank=0),
+                                World(size=2, rank=1, global_rank=2))
+    for now in (grown, renumbered, moved):
+        reason = replan_reason(planned, now)
+        assert reason == f"the world changed from {planned} to {now}"
+    assert str(grown) == "3 ranks (rank 1, global rank 1)"
 
 
 # ---------------------------------------------------------------------- the handler, 2 ranks
@@ -120,8 +133,8 @@ def test_compressor_state_handler_restores_and_syncs_from_rank_0():
 
 
 # ---------------------------------------------------------------------- the example, elastic
-def _elastic_example(tmp_path, exchange: str) -> tuple[dict, str]:
-    """Run the example under elastic horovodrun; its metrics.json (rank 0) and the log's tail."""
+def _elastic_example(tmp_path, exchange: str) -> tuple[dict, ElasticRun]:
+    """Run the example under elastic horovodrun; its metrics.json (rank 0) and the launch."""
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
     script = tmp_path / "discover.sh"
@@ -138,7 +151,7 @@ def _elastic_example(tmp_path, exchange: str) -> tuple[dict, str]:
     assert run.returncode == 0 and metrics.exists(), (
         f"elastic run of examples/pytorch_elastic.py --exchange {exchange} failed (horovodrun "
         f"exit code {run.returncode}); end of the launch log:\n{run.tail()}")
-    return json.loads(metrics.read_text()), run.tail()
+    return json.loads(metrics.read_text()), run
 
 
 def _segments(steps: list) -> list[tuple[int, list[int]]]:
@@ -193,8 +206,8 @@ def fixed_size_fp32_accuracy() -> float:
 
 @pytest.mark.multiprocess
 def test_stock_path_survives_the_world_growing_and_shrinking(tmp_path, fixed_size_fp32_accuracy):
-    metrics, log = _elastic_example(tmp_path, "stock")
-    _check_elastic_run(metrics, log)
+    metrics, run = _elastic_example(tmp_path, "stock")
+    _check_elastic_run(metrics, run.tail())
     assert abs(metrics["test_acc"] - fixed_size_fp32_accuracy) < ACCURACY_NOISE, (
         metrics["test_acc"], fixed_size_fp32_accuracy)
 
@@ -204,7 +217,13 @@ def test_packed_optimizer_survives_the_world_growing_and_shrinking(tmp_path,
                                                                   fixed_size_fp32_accuracy):
     """The packed optimizer re-plans its exchange at the first step in every new world (one
     info line per re-plan; the handshake agrees again) and trains on."""
-    metrics, log = _elastic_example(tmp_path, "two_phase")
-    _check_elastic_run(metrics, log)
+    metrics, run = _elastic_example(tmp_path, "two_phase")
+    _check_elastic_run(metrics, run.tail())
+    # one info line per re-plan, on each rank that was in the world before the change (the
+    # joining worker is built in the new world and has nothing to re-plan)
+    replans = [line for line in run.log.splitlines() if "planning the exchange again" in line]
+    grew = [line for line in replans if "from 2 ranks" in line and "to 3 ranks" in line]
+    shrank = [line for line in replans if "from 3 ranks" in line and "to 2 ranks" in line]
+    assert len(grew) == 2 and len(shrank) == 2 and len(replans) == 4, replans
     assert abs(metrics["test_acc"] - fixed_size_fp32_accuracy) < ACCURACY_NOISE, (
         metrics["test_acc"], fixed_size_fp32_accuracy)
