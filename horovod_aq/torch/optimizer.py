@@ -221,7 +221,8 @@ class _PackedOptimizer(torch.optim.Optimizer):
         if reason is None:
             return
         logger.info("horovod_aq: %s: %s; planning the exchange again (buckets, collectives, "
-                    "wire measurement; error memory from zero)", self._aq.name, reason)
+                    "wire measurement%s)", self._aq.name, reason,
+                    "; error memory from zero" if self._aq.error_memory is not None else "")
         if self._aq.error_memory is not None:
             self._aq.error_memory.reset(reason)
         self._aq_build(now)
