@@ -82,6 +82,7 @@ from horovod_aq.packed.send import (
     first_bad_element,
     reencode_part,
     send_bucket,
+    sent_bytes,
     sent_values,
 )
 from horovod_aq.packed.waiting import FOREVER, Deadline, wait_until
@@ -330,12 +331,10 @@ class Wire:
         out, self.sent = self.sent, dict.fromkeys(SENT, 0)
         return out
 
-    def _count(self, payloads: Sequence[torch.Tensor], *, first: bool, to_others: int) -> None:
-        """Count payloads leaving this rank (presence masks excluded, as in
-        ``packed.cost``): ``first`` ones are this rank's encoded payloads; ``to_others`` of
-        their bytes go to other ranks."""
-        if first:
-            self.sent["payload_bytes"] += sum(p.numel() for p in payloads)
+    def _count(self, payload_bytes: int, to_others: int) -> None:
+        """Count bytes leaving this rank (``packed.send.sent_bytes``; presence masks excluded,
+        as in ``packed.cost``)."""
+        self.sent["payload_bytes"] += payload_bytes
         self.sent["bytes_sent"] += to_others
 
     # ------------------------------------------------------------------ 1. submission
@@ -354,9 +353,7 @@ class Wire:
         update = None if self.memory is None else (
             lambda g, sent: self._update_memory(bucket, g, sent))
         payloads = send_bucket(raw, steps, update)
-        sizes = [p.numel() for p in payloads]
-        self._count(payloads, first=True, to_others=(P - 1) * sizes[0] if bucket.mode ==
-                    "allgather" else sum(sizes) - sizes[self.rank])
+        self._count(*sent_bytes(bucket.mode, [p.numel() for p in payloads], self.rank, P))
         mask = self._mask(bucket, present, raw.device)
         if mask is not None:
             payloads = [torch.cat([p, mask]) for p in payloads]
@@ -517,7 +514,7 @@ class Wire:
         for lo, hi in chunk_zero_spans(bucket.numel, m, self.rank, bucket.spans(bucket.gone)):
             chunk[lo:hi] = 0.0
         payload = self._encode(bucket, chunk, reencode_part(P))
-        self._count([payload], first=False, to_others=(P - 1) * payload.numel())
+        self._count(0, sent_bytes("allgather", [payload.numel()], self.rank, P)[1])
         self._allgather(bucket, payload, "ag2")
 
     # ------------------------------------------------------------------ 3. the allgathers
