@@ -1,12 +1,14 @@
 # horovod_aq — the two commands README.md starts with, and a few more.
 #   make demo   set up what is missing, then train the PyTorch example on 2 local ranks, fp32
 #               and ALQ 3-bit from one seed; prints both accuracies and the byte ratio
-#   make test   set up what is missing, then run the whole test suite
+#   make test   set up what is missing, then run the test suite without the slow matrix
+#   make test-slow  the slow matrix (pytest -m slow: second controllers and world sizes, the
+#               benchmarks' quick runs, doctor --full); CI runs both
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lint clean-venv
+.PHONY: setup demo test test-slow test-fast lint clean-venv
 
 setup:
 	@scripts/setup.sh --venv $(VENV)
@@ -17,9 +19,13 @@ demo: setup
 test: setup
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
+# The slow matrix, which pyproject.toml's addopts leave out of `make test`.
+test-slow: setup
+	@$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
 # Single-process tests only (no Horovod launches): quick feedback while developing.
 test-fast: setup
-	@$(PY) -m pytest -m "not multiprocess" $(PYTEST_ARGS)
+	@$(PY) -m pytest -m "not multiprocess and not slow" $(PYTEST_ARGS)
 
 lint: setup
 	@$(VENV)/bin/ruff check horovod_aq tests benchmarks examples

@@ -31,7 +31,11 @@ model (same initial weights):
   ``horovod_aq.ALQ(bits=3)`` (bucket 8192, default refit schedule) and ``exchange=``
   "allgather" / "two_phase";
 * ``alq3_allgather_entropy`` / ``alq3_two_phase_entropy`` — the same with the entropy-coded
-  wire (``wire="entropy"``, docs/format.md §12, docs/protocol.md §5.4).
+  wire (``wire="entropy"``, docs/format.md §12, docs/protocol.md §5.4);
+* ``alq3_auto`` — the packed optimizer's defaults (``wire="auto"``, ``exchange="auto"``): it
+  measures its own collectives and coders in its first steps and rank 0 picks each bucket's
+  coding and exchange (docs/protocol.md §5.5). With this mode the untimed rounds are extended
+  until its decision is in force.
 
 **Measurement.** Modes are interleaved in rounds (round r runs ``--steps`` steps of every mode in
 turn), so slow drifts of the machine's load hit all modes alike; round 0 is warm-up (handshakes,
@@ -75,7 +79,11 @@ MODES = {
     "alq3_two_phase": "horovod_aq ALQ 3-bit, packed, two-phase",
     "alq3_allgather_entropy": "horovod_aq ALQ 3-bit, packed, allgather, entropy-coded",
     "alq3_two_phase_entropy": "horovod_aq ALQ 3-bit, packed, two-phase, entropy-coded",
+    "alq3_auto": "horovod_aq ALQ 3-bit, packed, wire and exchange chosen (wire=\"auto\")",
 }
+#: Issue 25: "auto must not pick a loss": its median step within this factor of the fastest
+#: fixed-width packed mode's in the same launch (the interleaved rounds' noise).
+AUTO_TOLERANCE = 1.05
 #: Environment of every rank: one compute thread, quiet TensorFlow, no stall warnings.
 RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "120"}
@@ -159,9 +167,12 @@ def worker(cfg: dict) -> None:
         if mode == "hvd_fp16":
             return model, hvd.DistributedOptimizer(base, named_parameters=named,
                                                    compression=hvd.Compression.fp16)
+        comp = horovod_aq.ALQ(bits=cfg["bits"], bucket_size=cfg["bucket_size"], name=mode)
+        if mode == "alq3_auto":                 # the optimizer's own defaults
+            return model, aqt.DistributedOptimizer(base, named_parameters=named,
+                                                   compression=comp)
         exchange = "two_phase" if "two_phase" in mode else "allgather"
         wire = "entropy" if mode.endswith("_entropy") else "fixed"
-        comp = horovod_aq.ALQ(bits=cfg["bits"], bucket_size=cfg["bucket_size"], name=mode)
         return model, aqt.DistributedOptimizer(base, named_parameters=named, compression=comp,
                                                exchange=exchange, wire=wire)
 
@@ -225,6 +236,8 @@ def worker(cfg: dict) -> None:
                                "exchanges": dict(last.exchanges),
                                "table_version": last.table_version,
                                "buckets": len(opt.buckets)}
+            if mode == "alq3_auto":
+                telemetry[mode]["auto"] = _auto_choices(opt.autowire.decision)
         elif mode == "hvd_fp32":
             telemetry[mode] = {"bytes_sent": bytes_sent("allreduce_fp32", n, 0, 1, size)}
         elif mode == "hvd_fp16":
@@ -241,6 +254,21 @@ def worker(cfg: dict) -> None:
     if rank == 0:
         Path(cfg["out"]).write_text(json.dumps({"ranks": everyone, "size": size}))
     hvd.shutdown()
+
+
+def _auto_choices(decision) -> dict:
+    """What ``wire="auto"`` decided: buckets per (coding, exchange), the fitted link, and
+    whether it decided (False: the fallback) — or that it had not decided yet."""
+    if decision is None:
+        return {"decided": None}
+    counts: dict[str, int] = {}
+    for c in decision.choices:
+        key = f"{c.coding}, {c.mode}"
+        counts[key] = counts.get(key, 0) + 1
+    link = decision.link
+    return {"decided": bool(decision.decided), "step": decision.step, "choices": counts,
+            "latency_s": None if link is None else link.latency,
+            "bandwidth_Bps": None if link is None else link.bandwidth}
 
 
 # ============================================================================ driver
@@ -367,7 +395,22 @@ def format_config(res: dict, cfg: dict, hosts: int, rate: float) -> tuple[str, l
         ["mode", "median step (s)", "IQR (s)", "samples/s", "speedup vs fp32",
          "speedup vs fp16", "CPU s/step/rank", "measured MB sent/rank/step", "measured ÷ fp32",
          "expected MB/rank/step", "expected ÷ fp32"], rows)
+    auto = s.get("alq3_auto", {}).get("telemetry", {}).get("auto")
+    if auto is not None:
+        table += "\n\n" + describe_auto(auto)
     return table + "\n\n" + format_breakdown(s, modes), rows
+
+
+def describe_auto(auto: dict) -> str:
+    """One line: what ``wire="auto"`` chose in this launch."""
+    if auto.get("decided") is None:
+        return "`wire=\"auto\"` had not decided by the end of the launch."
+    choices = ", ".join(f"{n} bucket(s) {k}" for k, n in sorted(auto["choices"].items()))
+    if not auto["decided"]:
+        return f"`wire=\"auto\"` fell back to fixed codes from step {auto['step']}: {choices}."
+    link = (f"; fitted link α = {auto['latency_s'] * 1e3:.2f} ms, β = "
+            f"{8 * auto['bandwidth_Bps'] / 1e6:.0f} Mbit/s" if auto.get("bandwidth_Bps") else "")
+    return f"`wire=\"auto\"` chose, from step {auto['step']}: {choices}{link}."
 
 
 def format_breakdown(summary: dict, modes: list[str]) -> str:
@@ -419,6 +462,14 @@ def check_targets(results: list[dict], cfg: dict) -> list[str]:
         if not any(max(v) <= TARGET_BYTES_FRACTION for v in fracs.values()):
             lines.append(f"❌ {hosts} hosts @ {rate:g} Mbit/s: no packed mode sends ≤ 1/8 of "
                          "fp32's bytes")
+        fixed = [m for m in alq if m in ("alq3_allgather", "alq3_two_phase")]
+        if "alq3_auto" in s and fixed:
+            ref = min(fixed, key=lambda m: s[m]["median"])
+            ratio = s["alq3_auto"]["median"] / s[ref]["median"]
+            lines.append(f"{'✅' if ratio <= AUTO_TOLERANCE else '❌'} {hosts} hosts @ {rate:g} "
+                         f"Mbit/s: alq3_auto takes {ratio:.2f}× the step of the fastest "
+                         f"fixed-width mode ({ref}) (issue 25: ≤ {AUTO_TOLERANCE:g}×, auto must "
+                         "not pick a loss)")
         best = min(alq, key=lambda m: s[m]["median"])
         if hosts != 4:
             continue
@@ -513,6 +564,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown modes {sorted(unknown)}; choose from {list(MODES)}")
     if args.rounds <= args.warmup_rounds:
         p.error("--rounds must exceed --warmup-rounds")
+    if "alq3_auto" in args.modes:
+        from horovod_aq.packed.autowire import MEASURE_STEPS, WARMUP_STEPS
+
+        # untimed until auto's decision is in force (its first W + K steps measure)
+        needed = -(-(WARMUP_STEPS + MEASURE_STEPS) // args.steps)
+        if args.warmup_rounds < needed:
+            extra = needed - args.warmup_rounds
+            print(f"alq3_auto decides after {WARMUP_STEPS + MEASURE_STEPS} steps: {extra} more "
+                  f"untimed round(s) ({needed} in all)", file=sys.stderr)
+            args.warmup_rounds, args.rounds = needed, args.rounds + extra
     if args.timeout is None:
         args.timeout = 300 if args.quick else 1800
     return args

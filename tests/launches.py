@@ -27,6 +27,7 @@ declaration cannot narrow a test to fewer launches than what it reads.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -105,6 +106,14 @@ def deselect(items: list, config) -> None:
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def params(values: Iterable, *, slow: Iterable = ()) -> list:
+    """A launch fixture's params, those in ``slow`` marked ``slow``: the slow matrix, the second
+    controller or world size of a launch whose checks the default run already makes under
+    another one (``make test`` leaves it out; ``make test-slow`` and CI run it; README.md)."""
+    slow = list(slow)
+    return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v for v in values]
 
 
 def begin() -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from horovod_aq.tools.launcher import run_local
+from tests import launches
 from tests.ranks import init_tf, init_torch
 
 pytestmark = pytest.mark.multiprocess
@@ -175,7 +176,8 @@ def keras3_fit():
     return _result([comp], versions, {"weights": [w.numpy() for w in model.weights]})
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"], ids=lambda c: f"{c}-2")
+@pytest.fixture(scope="module", params=launches.params(["gloo", "mpi"], slow=["mpi"]),
+                ids=lambda c: f"{c}-2")
 def tf_launch(request):
     return run_local([tf_tapes, keras3_fit], np=2, controller=request.param, timeout=600)
 

@@ -64,6 +64,7 @@ def _fashion_mnist_unavailable() -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_variance_quick():
     reason = _fashion_mnist_unavailable()
     if reason:
@@ -76,6 +77,7 @@ def test_variance_quick():
                          re.MULTILINE), method
 
 
+@pytest.mark.slow
 def test_accuracy_quick():
     reason = _fashion_mnist_unavailable()
     if reason:
@@ -85,6 +87,7 @@ def test_accuracy_quick():
     assert re.search(r"^\| ALQ 3b \| \d+\.\d+ \|", text, re.MULTILINE), text
 
 
+@pytest.mark.slow
 def test_cluster_quick():
     from benchmarks import netns
 
@@ -214,6 +217,7 @@ def _table_row(text: str, label: str) -> list[str]:
     raise AssertionError(f"no table row {label!r} in:\n{text[:3000]}")
 
 
+@pytest.mark.slow
 def test_linear_models_quick():
     # Syn-256, 4 simulated workers, 300 steps, seeds 0-2 (numpy only: no data set, no root).
     text = run_quick("linear_models", timeout=420)

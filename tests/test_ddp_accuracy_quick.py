@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 TABLE_RULE = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$", re.MULTILINE)
 

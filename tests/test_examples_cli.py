@@ -307,6 +307,7 @@ def test_cli_doctor_reports_a_missing_framework(monkeypatch, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_cli_doctor_full_runs_the_self_tests(capsys):
     assert cli.main(["doctor", "--full"]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out

@@ -117,6 +117,12 @@ def test_torch_allreduce(torch_launch):
         assert out["avg"] == EXPECTED_AVG
 
 
+def test_the_launch_times_every_check_on_every_rank(torch_launch):
+    for check in TORCH_CHECKS:
+        seconds = torch_launch.durations[check.__name__]
+        assert len(seconds) == NP and all(0.0 <= s < 300 for s in seconds), seconds
+
+
 def test_torch_allgather_uint8(torch_launch):
     for out in torch_launch.get(torch_allgather_uint8):
         assert out == {"dtype": "torch.uint8", "values": EXPECTED_GATHER}

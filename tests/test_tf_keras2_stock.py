@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from horovod_aq.tools.launcher import run_local
+from tests import launches
 from tests.ranks import init_tf
 
 pytestmark = pytest.mark.multiprocess
@@ -114,7 +115,8 @@ def stock_raise_one_rank():
     return "no error"
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"], ids=lambda c: f"{c}-2")
+@pytest.fixture(scope="module", params=launches.params(["gloo", "mpi"], slow=["mpi"]),
+                ids=lambda c: f"{c}-2")
 def launch(request):
     return run_local([stock_fit, stock_inf_aggregation, stock_raise_one_rank], np=2,
                      controller=request.param, timeout=300, env=LEGACY_ENV)

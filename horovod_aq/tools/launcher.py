@@ -60,6 +60,8 @@ Check = Callable[..., Any] | tuple[Callable[..., Any], dict]
 
 
 NOT_REACHED = "not reached"
+#: The key under which a rank's report carries its per-check seconds (not a check name).
+_DURATIONS = "\0durations"
 
 
 class LaunchError(RuntimeError):
@@ -88,6 +90,8 @@ class LaunchResult:
     controller: str
     outcomes: dict[str, list[Any]]
     log: str
+    #: seconds each rank spent in each check (``durations[name][rank]``; None: not reached)
+    durations: dict[str, list[float | None]] = dataclasses.field(default_factory=dict)
 
     def get(self, check: Check | str) -> list[Any]:
         """Return every rank's value for ``check``; raise AssertionError with each rank's traceback
@@ -199,6 +203,7 @@ def run_local(
         logger.debug("launch of %d checks on %d ranks took %.1fs", len(checks), np,
                      time.monotonic() - t0)
         outcomes: dict[str, list[Any]] = {n: [None] * np for n in names}
+        durations: dict[str, list[float | None]] = {n: [None] * np for n in names}
         missing = []
         for rank in range(np):
             path = os.path.join(job, f"rank{rank}.pkl")
@@ -207,6 +212,8 @@ def run_local(
                 continue
             with open(path, "rb") as f:
                 per_rank = pickle.load(f)
+            for n, seconds in per_rank.pop(_DURATIONS, {}).items():
+                durations[n][rank] = seconds
             for n in names:
                 outcomes[n][rank] = per_rank.get(
                     n, RankFailure(rank, NOT_REACHED, "the rank stopped (crashed or was killed) "
@@ -219,7 +226,8 @@ def run_local(
             )
         with open(log_path, encoding="utf-8", errors="replace") as f:
             log_text = f.read()
-        return LaunchResult(np=np, controller=controller, outcomes=outcomes, log=log_text)
+        return LaunchResult(np=np, controller=controller, outcomes=outcomes, log=log_text,
+                            durations=durations)
     finally:
         shutil.rmtree(job, ignore_errors=True)
 
@@ -301,7 +309,7 @@ def _rank_main(job: str) -> int:
     rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     with open(os.path.join(job, "job.pkl"), "rb") as f:
         checks = pickle.load(f)
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {_DURATIONS: {}}
     out_path = os.path.join(job, f"rank{rank}.pkl")
 
     def flush() -> None:
@@ -312,6 +320,7 @@ def _rank_main(job: str) -> int:
 
     for name, check in checks:
         fn, kwargs = (check if isinstance(check, tuple) else (check, {}))
+        started = time.monotonic()
         try:
             value = fn(**kwargs)
             pickle.dumps(value)  # fail here, attributed to the check, if it cannot travel
@@ -319,6 +328,7 @@ def _rank_main(job: str) -> int:
         except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit
             results[name] = RankFailure(rank, f"{type(exc).__name__}: {exc}",
                                         traceback.format_exc())
+        results[_DURATIONS][name] = time.monotonic() - started
         flush()
     flush()
     return 0
