@@ -21,7 +21,11 @@ configurations and the report and .json are rewritten after each launch.
 **Configurations.** fp32, fp16, and each quantizer at 3 bits — QSGD, QSGDinf, NUQSGD, TernGrad
 (always ternary), natural dithering, ALQ, ALQ-N, ALQ-G, AMQ, AMQ-N — plus ALQ, AMQ and QSGDinf at 2
 bits, ALQ at 2 bits with the paper's L2 bucket norm ("(L2)") and at 3 bits with L∞ ("(L∞)"): the
-adaptive methods' default is L∞ up to 2 bits and L2 from 3 bits, docs/quantizers.md §5.6.
+adaptive methods' default is L∞ up to 2 bits and L2 from 3 bits, docs/quantizers.md §5.6;
+"EF(ALQ 2b)" is ``ErrorFeedback(ALQ(bits=2))`` and "EF(ALQ 2b) entropy" the same on
+``wire="entropy"`` (``results/accuracy_ef_entropy.md``). Every other row passes
+``error_feedback=False``, so its quantizer is sent plain also where the package default
+(``error_feedback="auto"``, docs/quantizers.md §5.9) would add error feedback.
 **Every configuration, fp32 and fp16 included, runs through the packed optimizer**
 ``horovod_aq.torch.DistributedOptimizer`` (exchange="auto"): quantizers send bit-packed codes,
 fp32 and fp16 go through its named Horovod allreduce (``horovod_aq.NoCompression`` /
@@ -71,6 +75,7 @@ CONFIGS = (
     ("ALQ 2b", "alq", 2, {}), ("AMQ 2b", "amq", 2, {}), ("ALQ 2b (L2)", "alq", 2, {"norm": "l2"}),
     ("QSGDinf 2b", "qsgdinf", 2, {}), ("ALQ 4b", "alq", 4, {}),
     ("EF(ALQ 2b)", "alq", 2, {"error_feedback": True}),
+    ("EF(ALQ 2b) entropy", "alq", 2, {"error_feedback": True, "wire": "entropy"}),
     ("ALQ 3b (L2 B1024)", "alq", 3, {"norm": "l2", "bucket_size": 1024}),
 )
 QUICK_CONFIGS = ("fp32", "QSGDinf 3b", "ALQ 3b")
@@ -91,8 +96,11 @@ def train_config(label: str, method: str, bits: int, seed: int, epochs: float, l
                  lr_schedule: str = "constant") -> dict:
     """Runs in every rank: train one configuration from scratch, evaluate on the test set.
 
-    ``options``: compressor arguments (they win over ``bucket_size``), and ``error_feedback``:
-    wrap the compressor in :class:`horovod_aq.ErrorFeedback` (its default coefficients)."""
+    ``options``: compressor arguments (they win over ``bucket_size``), ``error_feedback``:
+    wrap the compressor in :class:`horovod_aq.ErrorFeedback` (its default coefficients; the
+    optimizer's ``error_feedback=``, given explicitly: every other row sends its plain
+    quantizer, also at 2 bits where the package default would add error feedback), and
+    ``wire``: the optimizer's ``wire=`` (default "auto")."""
     import horovod.torch as hvd
     import numpy as np
     import torch
@@ -115,17 +123,18 @@ def train_config(label: str, method: str, bits: int, seed: int, epochs: float, l
     model = SmallCNN()
     options = dict(options or {})
     error_feedback = options.pop("error_feedback", False)
+    wire = options.pop("wire", "auto")
     kwargs = {"seed": seed, "name": f"acc.{_slug(label)}.s{seed}", **options}
     if method not in ("none", "fp16"):
         kwargs["bits"] = bits
         if bucket_size:
             kwargs.setdefault("bucket_size", bucket_size)
     comp = horovod_aq.from_name(method, **kwargs)
-    if error_feedback:
-        comp = horovod_aq.ErrorFeedback(comp)
     opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
                                    named_parameters=model.named_parameters(), compression=comp,
-                                   exchange="auto")
+                                   exchange="auto", wire=wire,
+                                   error_feedback=error_feedback and comp.quantizes)
+    comp = opt.compression
     steps_per_epoch = len(ys) // batch
     total = round(epochs * steps_per_epoch)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -327,7 +336,8 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]], wall: float
         "NoCompression/FP16 (named Horovod allreduce), quantizers packed, bucket "
         f"{args.bucket_size or 'per-method default (adaptive 256, fixed 512 unless the row says)'}"
         "; TernGrad is ternary (2-bit codes); EF(…) is ErrorFeedback with its default "
-        "coefficients",
+        "coefficients, every other row error_feedback=False; 'entropy': wire='entropy' (the "
+        "others wire='auto')",
         f"Wall time of this invocation {wall / 60:.1f} min",
     ]
     if args.resume:

@@ -181,7 +181,7 @@ def _train(cfg: dict, kind: str, *, bits: int = 0, prank: int = 0) -> dict:
         net = DDP(model)
         if kind == "alq":
             comp = horovod_aq.ALQ(bits=bits, seed=seed, name=f"ddpacc.alq{bits}.s{seed}")
-            state = aqddp.register(net, comp)
+            state = aqddp.register(net, comp, error_feedback=False)   # the plain quantizer
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
     batch = cfg["batch"]
     steps_per_epoch = len(ys) // batch

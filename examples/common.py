@@ -15,9 +15,12 @@ from typing import Any
 import numpy as np
 
 import horovod_aq
+from horovod_aq import error_feedback_setting
 from horovod_aq.packed import cost as xchg
 from horovod_aq.telemetry import JsonlSink, Telemetry
 
+#: ``--error-feedback`` values → ``error_feedback=`` of the packed entry points.
+ERROR_FEEDBACK = {"auto": "auto", "on": True, "off": False}
 COMPRESSIONS = ["alq", "alqn", "alqg", "amq", "amqn", "qsgd", "qsgdinf", "nuqsgd", "terngrad",
                 "natural", "dqsgd", "fp16", "none"]
 
@@ -31,8 +34,11 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
                    help="coordinates per quantization bucket (default: the method's)")
     p.add_argument("--norm", choices=["l2", "linf"], default=None,
                    help="bucket scale (default: the method's)")
-    p.add_argument("--error-feedback", action="store_true",
-                   help="wrap the quantizer in ECQ-SGD error compensation")
+    p.add_argument("--error-feedback", choices=list(ERROR_FEEDBACK), nargs="?", const="on",
+                   default="auto",
+                   help="ECQ-SGD error compensation around the quantizer: auto (the packed "
+                   "exchange's default: on for quantizers of <= 2 bits), on (--error-feedback "
+                   "alone) or off")
     p.add_argument("--exchange", choices=["auto", "allgather", "two_phase", "stock"],
                    default="auto", help="packed exchange mode, or 'stock' for Horovod's own "
                    "optimizer with compression= (fp16 wire)")
@@ -47,7 +53,15 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     return p
 
 
+def error_feedback(args: argparse.Namespace) -> bool | str:
+    """``--error-feedback`` as the packed entry points' ``error_feedback=``."""
+    return ERROR_FEEDBACK[args.error_feedback]
+
+
 def make_compressor(args: argparse.Namespace) -> horovod_aq.Compressor:
+    """The compressor of the flags, with error feedback as the packed exchange will use it (so
+    titles and reports name it); on ``--exchange stock`` only ``--error-feedback on`` adds it
+    (and Horovod's hook then refuses it, saying why)."""
     kwargs: dict[str, Any] = {"bits": args.bits, "seed": args.seed}
     if args.bucket_size is not None:
         kwargs["bucket_size"] = args.bucket_size
@@ -56,9 +70,9 @@ def make_compressor(args: argparse.Namespace) -> horovod_aq.Compressor:
     if args.compression in ("none", "fp16"):
         kwargs = {}
     comp = horovod_aq.from_name(args.compression, **kwargs)
-    if args.error_feedback:
-        comp = horovod_aq.ErrorFeedback(comp)
-    return comp
+    if args.exchange == "stock":
+        return horovod_aq.ErrorFeedback(comp) if args.error_feedback == "on" else comp
+    return error_feedback_setting.resolve(comp, error_feedback(args))
 
 
 def make_telemetry(args: argparse.Namespace, rank: int, framework: str) -> Telemetry:

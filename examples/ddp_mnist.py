@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
     compression = common.make_compressor(args)
     telemetry = common.make_telemetry(args, rank, framework="torch")
-    aqddp.register(net, compression, exchange=args.exchange, telemetry=telemetry)
+    aqddp.register(net, compression, exchange=args.exchange, telemetry=telemetry,
+                   error_feedback=common.error_feedback(args))
 
     steps_per_epoch = len(ys) // args.batch_size
     if args.max_steps:

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     telemetry = common.make_telemetry(args, rank, framework="tensorflow")
     optimizer = aqk.DistributedOptimizer(
         keras.optimizers.SGD(learning_rate=args.lr * size, momentum=0.9), compression,
-        exchange=args.exchange, telemetry=telemetry)
+        exchange=args.exchange, telemetry=telemetry, error_feedback=common.error_feedback(args))
     model.compile(optimizer=optimizer, metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     steps = -(-len(ys) // args.batch_size)

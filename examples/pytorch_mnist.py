@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         opt = aqt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                        compression=compression, exchange=args.exchange,
-                                       telemetry=telemetry)
+                                       telemetry=telemetry,
+                                       error_feedback=common.error_feedback(args))
 
     steps_per_epoch = len(ys) // args.batch_size
     meter = common.EpochMeter(telemetry, compression, ranks=size,

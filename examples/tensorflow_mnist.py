@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.exchange == "stock":
             return hvd.DistributedGradientTape(tape, compression=compression)
         return aqtf.DistributedGradientTape(tape, compression, exchange=args.exchange,
-                                            telemetry=telemetry)
+                                            telemetry=telemetry,
+                                            error_feedback=common.error_feedback(args))
 
     @tf.function
     def train_step(x, y):

@@ -329,6 +329,11 @@ class ErrorFeedback:
         if not isinstance(state, Mapping):
             raise TypeError(f"{what}, got {type(state).__name__}")
         missing = [key for key in ("inner", "alpha", "beta") if key not in state]
+        if missing and "config" in state:
+            raise ValueError(
+                f"{what}; this one was saved without error feedback (a plain quantizer's "
+                "state). To resume it as saved, build the optimizer with error_feedback=False "
+                "(the default 'auto' adds error feedback at <= 2 bits, docs/quantizers.md §5.9)")
         if missing:
             raise ValueError(f"{what}; this one has no {' or '.join(map(repr, missing))} "
                              f"(its keys: {sorted(map(str, state))})")

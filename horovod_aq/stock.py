@@ -9,14 +9,22 @@ noise, the wire saves 2x. The framework modules (``horovod_aq.torch.stock``,
 
 from __future__ import annotations
 
+import logging
 import math
+import weakref
 from typing import Any
+
+from horovod_aq import error_feedback_setting
+
+logger = logging.getLogger(__name__)
 
 #: Largest finite fp16 value: an fp16 sum over the ranks must stay below it.
 FP16_MAX = 65504.0
 #: The packed integration to recommend, by framework.
 PACKED_API = {"torch": "horovod_aq.torch.DistributedOptimizer",
               "tensorflow": "horovod_aq.tensorflow.DistributedGradientTape"}
+#: Compressors already warned that this path runs them without error feedback.
+_WARNED_NO_MEMORY: weakref.WeakSet = weakref.WeakSet()
 
 
 def route(compression: Any, framework: str) -> str:
@@ -29,6 +37,11 @@ def route(compression: Any, framework: str) -> str:
     if refusal is not None:
         raise NotImplementedError(refusal)
     compression.warn_stock_once()
+    if compression not in _WARNED_NO_MEMORY:
+        _WARNED_NO_MEMORY.add(compression)
+        message = error_feedback_setting.stock_warning(compression, PACKED_API[framework])
+        if message is not None:
+            logger.warning(message)
     return "quantize"
 
 

@@ -8,6 +8,11 @@ gradients that training produced. Measured (seed 0, deterministic): 0.122 with t
 3-bit table refitted on schedule; 0.267 for the same compressor that never refits (its
 Gaussian-prior table); 0.439 for the former default (L2 buckets of 1024, refitted). The threshold
 0.2 separates them, so the test fails if the default stops adapting or reverts.
+
+The packed entry points' ``error_feedback="auto"`` (docs/quantizers.md §5.9) is pinned here too:
+its default on every entry point and its width; tests/test_error_feedback_setting.py has the
+rule's table, and the 2-rank launch of tests/test_torch_optimizer.py (``ef_auto_two_bits``) shows
+the memory in use while training.
 """
 
 from __future__ import annotations
@@ -48,3 +53,46 @@ def test_default_alq_3bit_adapts_to_low_variance_in_training():
     assert frozen_run["table_version"] == 0
     assert adapted < 0.2 < frozen, (adapted, frozen)
     assert run["history"][-1]["train_loss"] < 2.0                  # it trains (chance: 2.3)
+
+
+#: The packed entry points and the function whose ``error_feedback=`` default is pinned (the
+#: TF/Keras ones are read from their source, so this test needs no TensorFlow).
+PACKED_ENTRY_POINTS = [("horovod_aq/torch/optimizer.py", "DistributedOptimizer"),
+                       ("horovod_aq/torch/ddp.py", "__init__"),
+                       ("horovod_aq/tensorflow/tape.py", "DistributedGradientTape"),
+                       ("horovod_aq/tensorflow/keras.py", "DistributedOptimizer"),
+                       ("horovod_aq/tensorflow/keras.py", "_settings")]
+
+
+@pytest.mark.parametrize("path, function", PACKED_ENTRY_POINTS)
+def test_error_feedback_defaults_to_auto_on_every_packed_entry_point(path, function):
+    """docs/quantizers.md §5.9: error_feedback="auto" everywhere the packed exchange starts."""
+    import ast
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / path).read_text())
+    found = [node for node in ast.walk(tree)
+             if isinstance(node, ast.FunctionDef) and node.name == function]
+    defaults = {}
+    for node in found:
+        args = node.args
+        named = args.kwonlyargs + args.args[len(args.args) - len(args.defaults):]
+        values = args.kw_defaults + args.defaults
+        defaults.update({a.arg: v for a, v in zip(named, values) if a.arg == "error_feedback"})
+    assert "error_feedback" in defaults, f"{path}:{function} has no error_feedback keyword"
+    assert ast.literal_eval(defaults["error_feedback"]) == "auto"
+
+
+def test_auto_error_feedback_is_on_at_two_bits_and_off_at_three():
+    """The rule's width (docs/quantizers.md §5.9) and what the DDP hook state, which needs no
+    process group to resolve it, ends up using."""
+    from horovod_aq import error_feedback_setting
+    from horovod_aq.torch.ddp import QuantizedHookState
+
+    assert error_feedback_setting.AUTO_MAX_BITS == 2
+    two, three = horovod_aq.ALQ(bits=2), horovod_aq.ALQ(bits=3)
+    state = QuantizedHookState(two)
+    assert isinstance(state.compression, horovod_aq.ErrorFeedback)
+    assert state.compression.quantizer is two and state.prefix.startswith("ecq.")
+    assert QuantizedHookState(three).compression is three
+    off = QuantizedHookState(horovod_aq.ALQ(bits=2), error_feedback=False)
+    assert off.compression.error_memory is None

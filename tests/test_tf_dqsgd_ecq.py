@@ -67,7 +67,7 @@ def _ecq():
                           alpha=ALPHA, beta=BETA)
 
 
-def _traced_step(tf, hvd, comp, v, exchange="allgather", lr=0.0):
+def _traced_step(tf, hvd, comp, v, exchange="allgather", lr=0.0, **tape_kwargs):
     """A tf.function train step (tape → packed exchange → SGD update when lr > 0)."""
     holder = {}
 
@@ -75,7 +75,8 @@ def _traced_step(tf, hvd, comp, v, exchange="allgather", lr=0.0):
     def train_step(x, y, scale):
         with tf.GradientTape() as tape:
             loss = scale * _forward(tf, v, x, y)
-        t = _distributed_tape(tape, comp, exchange=exchange, fusion_bytes=FUSION_BYTES)
+        t = _distributed_tape(tape, comp, exchange=exchange, fusion_bytes=FUSION_BYTES,
+                              **tape_kwargs)
         holder["tape"] = t
         grads = t.gradient(loss, list(v.values()))
         if lr:
@@ -145,7 +146,8 @@ def dqsgd_width_mismatch():
 
     v = _variables(tf)
     comp = horovod_aq.DQSGD(target_bits=2.0, min_bits=2, max_bits=3, bucket_size=BUCKET)
-    train_step, _ = _traced_step(tf, hvd, comp, v)
+    # the plain DQSGD ("auto" would add error feedback at a mean of 2 bits)
+    train_step, _ = _traced_step(tf, hvd, comp, v, error_feedback=False)
     x, y = _batch(tf, hvd.rank(), 0)
     train_step(x, y, tf.constant(1.0))                 # the handshake passes
     aqtf.refit(comp)
@@ -281,6 +283,38 @@ def ecq_nonfinite_skip():
             "updated": all(not np.array_equal(memory[1][k], memory[2][k]) for k in memory[0])}
 
 
+def ecq_auto():
+    """error_feedback="auto" with a plain ALQ 2-bit: tapes rebuilt at every step (eager) and
+    the Keras optimizer share one ErrorFeedback, one exchange and one memory, which grows."""
+    tf, hvd = init_tf()
+    import keras
+
+    import horovod_aq
+    import horovod_aq.keras as aqk
+
+    v = _variables(tf)
+    comp = horovod_aq.ALQ(bits=2, bucket_size=BUCKET, seed=7, schedule="0")
+    tapes = []
+    for step in range(3):
+        x, y = _batch(tf, hvd.rank(), step)
+        with tf.GradientTape() as tape:
+            loss = _forward(tf, v, x, y)
+        t = _distributed_tape(tape, comp, exchange="allgather", fusion_bytes=FUSION_BYTES)
+        for var, g in zip(v.values(), t.gradient(loss, list(v.values()))):
+            var.assign_sub(0.05 * g)
+        tapes.append(t)
+    used = tapes[0].compression
+    opt = aqk.DistributedOptimizer(keras.optimizers.SGD(0.05), horovod_aq.TernGrad())
+    off = aqk.DistributedOptimizer(keras.optimizers.SGD(0.05), horovod_aq.TernGrad(),
+                                   error_feedback=False)
+    return {"type": type(used).__name__, "inner_is_given": used.quantizer is comp,
+            "one_wrapper": all(t.compression is used for t in tapes),
+            "one_exchange": all(t.exchange is tapes[0].exchange for t in tapes),
+            "norms": [r.extra.get("ef_memory_norm") for r in tapes[0].telemetry.history],
+            "memory_keys": sorted(used.memory), "buckets": sorted(b[0] for b in t.buckets),
+            "keras": type(opt.compression).__name__, "keras_off": type(off.compression).__name__}
+
+
 def keras_fit_ecq():
     """Keras 3 model.fit with ECQ(QSGD 4-bit) through horovod_aq.keras.DistributedOptimizer."""
     tf, hvd = init_tf()
@@ -310,11 +344,11 @@ def keras_fit_ecq():
 #: Each check runs under one controller, so that both launches together stay within about 90 s
 #: on two cores: under Gloo the fixed-family DQSGD run (allgather, 20 steps: the width must
 #: change), the refusal of another width, ECQ on allgather, its checkpoint and its non-finite
-#: skip, and model.fit; under
+#: skip, model.fit, and error_feedback="auto" at 2 bits; under
 #: MPI the adaptive DQSGD two-phase run (variable-size alltoall and allgather, refits of every
 #: width over mpi4py), ECQ on the two-phase exchange and ECQ around DQSGD.
 CHECKS = {"gloo": [dqsgd_allgather, dqsgd_width_mismatch, ecq_allgather, ecq_checkpoint,
-                   ecq_nonfinite_skip, keras_fit_ecq],
+                   ecq_nonfinite_skip, keras_fit_ecq, ecq_auto],
           "mpi": [dqsgd_alq_two_phase, ecq_two_phase, ecq_dqsgd]}
 
 
@@ -453,3 +487,15 @@ def test_keras_fit_with_ecq_trains(launch):
     assert r0["history"][1] < r0["history"][0], r0["history"]
     assert r0["loss"] < 0.6 and r0["acc"] > 0.8, r0
     assert r0["ef_norm"] > 0 and len(r0["memory_keys"]) == r0["buckets"]
+
+
+@pytest.mark.reads("ecq_auto")
+def test_auto_error_feedback_keeps_one_memory_across_rebuilt_tapes(launch):
+    """docs/quantizers.md §5.9 on TensorFlow: fails if "auto" stopped adding error feedback at
+    2 bits, or if a tape rebuilt every step started a new memory."""
+    for r in _get(launch, ecq_auto):
+        assert (r["type"], r["inner_is_given"], r["one_wrapper"], r["one_exchange"]) == (
+            "ErrorFeedback", True, True, True)
+        assert len(r["norms"]) == 3 and all(n is not None and n > 0 for n in r["norms"])
+        assert r["memory_keys"] == r["buckets"]
+        assert (r["keras"], r["keras_off"]) == ("ErrorFeedback", "TernGrad")

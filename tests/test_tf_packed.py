@@ -418,7 +418,8 @@ def hostile_tape():
     for step in range(4):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(w * (0.2 + 0.2 * hvd.rank() + 0.05 * step))
-        t = aqtf.DistributedGradientTape(tape, comp, exchange="two_phase")
+        t = aqtf.DistributedGradientTape(tape, comp, exchange="two_phase",
+                                         error_feedback=False)   # the plain 2-bit quantizer
         exact.append(float(t.gradient(loss, [w])[0][0]))
     out["one_element"] = exact
     v = _variables(tf)

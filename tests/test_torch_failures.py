@@ -277,7 +277,8 @@ def padded_tail_chunk():
     rank = hvd.rank()
     p = torch.nn.Parameter(torch.zeros(1))
     opt = aqt.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), [("w", p)],
-                                   _qsgd(bits=2, bucket_size=4), exchange="two_phase")
+                                   _qsgd(bits=2, bucket_size=4), exchange="two_phase",
+                                   error_feedback=False)   # the plain 2-bit quantizer
     grads = []
     for step in range(6):
         mine = np.float32(0.2 if rank == 0 else 0.4) * np.float32(step + 1)

@@ -327,6 +327,48 @@ def ecq_packed():
             "ef_norm": opt.telemetry.last.extra.get("ef_memory_norm")}
 
 
+def ef_auto_two_bits():
+    """The default error_feedback="auto" with ALQ 2-bit: the optimizer trains
+    ErrorFeedback(ALQ) (each rank encodes g + α·h, the memory is non-zero, in telemetry and in
+    the checkpoint); with error_feedback=False the same quantizer is sent plain."""
+    torch, hvd = init_torch()
+    import torch.nn.functional as F
+
+    import horovod_aq
+    import horovod_aq.torch as aqt
+
+    out = {}
+    for label, kwargs in (("auto", {}), ("off", {"error_feedback": False})):
+        model = tiny_model(torch, 0)
+        comp = horovod_aq.ALQ(bits=2, bucket_size=BUCKET, seed=7, schedule="0")
+        opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                       model.named_parameters(), comp, exchange="allgather",
+                                       fusion_bytes=FUSION_BYTES, **kwargs)
+        rec = EncodeRecorder(opt.wire)
+        grads = []
+        for step in range(3):
+            x, y = _batch(torch, hvd.rank(), step=step)
+            ref = tiny_model(torch, 0)
+            F.cross_entropy(ref(x), y).backward()
+            grads.append({n: p.grad.numpy().copy() for n, p in ref.named_parameters()})
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        used = opt.compression
+        memory = used.error_memory
+        state = opt.state_dict()["horovod_aq"]
+        out[label] = {
+            "type": type(used).__name__, "inner_is_given": used.quantizer is comp,
+            "entries": rec.entries, "buckets": opt.buckets, "local": grads,
+            "levels": comp.table.levels, "version": comp.table.version,
+            "alpha": memory.alpha if memory else None, "beta": memory.beta if memory else None,
+            "ef_norm": opt.telemetry.last.extra.get("ef_memory_norm"),
+            "saved_memory_norm": float(np.sqrt(sum(
+                float(np.sum(np.square(h))) for h in
+                state.get("memory_by_rank", {}).get(hvd.rank(), {}).values())))}
+    return out
+
+
 #: The entropy wire's model: (20, 256, 10) in buckets of at most 4000 coordinates (two buckets,
 #: large enough that most payloads are entropy-coded).
 ENTROPY_SIZES = (20, 256, 10)
@@ -485,7 +527,7 @@ def auto_wire(steps: int = 12, resumed_steps: int = 3):
 
 TWO_RANK_CHECKS = [oracle_allgather, oracle_two_phase, oracle_accumulate, unbiased_two_phase,
                    refit_tables, checkpoint_resume, train_fp32, train_alq_packed, train_alq_stock,
-                   dqsgd_bits_agree, ecq_packed, settings_mismatch_detected,
+                   dqsgd_bits_agree, ecq_packed, ef_auto_two_bits, settings_mismatch_detected,
                    version_mismatch_refused, entropy_wire, entropy_training, auto_wire]
 FOUR_RANK_CHECKS = [oracle_allgather, oracle_two_phase, refit_tables, process_sets_split,
                     settings_mismatch_detected]
@@ -683,21 +725,41 @@ def test_dqsgd_bits_agree_across_ranks(launch):
 
 
 @pytest.mark.reads("ecq_packed")
+def _assert_ecq_encoded(r, table, alpha, beta, steps=3):
+    """Each rank encoded g + α·h with h ← β·h + (g − g̃), bucket by bucket."""
+    for name, numel, mode, params in r["buckets"]:
+        sent = [e for e in r["entries"] if e[0] == name]
+        assert len(sent) == steps
+        h = np.zeros(numel, np.float32)
+        for step, (_, _, inp, payload) in enumerate(sent):
+            g = np.concatenate([r["local"][step][n].ravel() for n in params])
+            np.testing.assert_allclose(inp, g + np.float32(alpha) * h, rtol=0, atol=1e-6)
+            h = np.float32(beta) * h + (g - codec.decode(payload, table))
+
+
 def test_ecq_on_the_packed_path(launch):
     results = _get(launch, ecq_packed)
     table = _table(results[0])
-    alpha, beta = 0.3, 0.8
     for r in results:
         assert r["memory_keys"] == sorted(b[0] for b in r["buckets"])
         assert r["ef_norm"] > 0
-        for name, numel, mode, params in r["buckets"]:
-            sent = [e for e in r["entries"] if e[0] == name]
-            assert len(sent) == 3
-            h = np.zeros(numel, np.float32)
-            for step, (_, _, inp, payload) in enumerate(sent):
-                g = np.concatenate([r["local"][step][n].ravel() for n in params])
-                np.testing.assert_allclose(inp, g + np.float32(alpha) * h, rtol=0, atol=1e-6)
-                h = np.float32(beta) * h + (g - codec.decode(payload, table))
+        _assert_ecq_encoded(r, table, alpha=0.3, beta=0.8)
+
+
+def test_auto_error_feedback_trains_with_memory_at_two_bits(launch):
+    """docs/quantizers.md §5.9: fails if the default stopped adding error feedback at 2 bits."""
+    results = _get(launch, ef_auto_two_bits)
+    for r in results:
+        auto, off = r["auto"], r["off"]
+        assert (auto["type"], auto["inner_is_given"]) == ("ErrorFeedback", True)
+        assert auto["beta"] == 0.9 and 0 < auto["alpha"] < 0.9    # derived from γ, not 0.2
+        assert auto["ef_norm"] > 0 and auto["saved_memory_norm"] > 0
+        _assert_ecq_encoded(auto, _table(auto), auto["alpha"], auto["beta"])
+        assert (off["type"], off["ef_norm"], off["saved_memory_norm"]) == ("ALQ", None, 0.0)
+        for name, numel, mode, params in off["buckets"]:   # the plain gradient was encoded
+            for step, (_, _, inp, _) in enumerate(e for e in off["entries"] if e[0] == name):
+                g = np.concatenate([off["local"][step][n].ravel() for n in params])
+                np.testing.assert_allclose(inp, g, rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------- the entropy-coded wire

@@ -144,6 +144,10 @@ class Compressor:
         self._framework: dict[str, Any] = {}
         self._pending_framework: dict[str, Any] = {}
         self._warned_stock = False
+        #: The ErrorFeedback the packed entry points use around this compressor
+        #: (``error_feedback="auto"`` / True; :mod:`horovod_aq.error_feedback_setting`), made
+        #: once so that every exchange given this compressor shares one error memory.
+        self.error_feedback_wrapper: Any = None
 
     # ------------------------------------------------------------------ capabilities
     @property
@@ -466,6 +470,10 @@ class Compressor:
         if not isinstance(state, Mapping):
             raise TypeError(f"{what}, got {type(state).__name__}")
         missing = [key for key in ("config", "step") if key not in state]
+        if missing and "inner" in state:
+            raise ValueError(f"{what}; this one was saved with error feedback (an ErrorFeedback "
+                             "state): build the optimizer with error_feedback=True, or wrap the "
+                             "compressor in horovod_aq.ErrorFeedback, to resume it")
         if missing:
             raise ValueError(f"{what}; this one has no {' or '.join(map(repr, missing))} "
                              f"(its keys: {sorted(map(str, state))})")

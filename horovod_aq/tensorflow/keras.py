@@ -74,7 +74,7 @@ from horovod_aq.tensorflow.callbacks import (
 )
 from horovod_aq.tensorflow.packed import PackedExchange, exchange_for
 from horovod_aq.tensorflow.sources import dense_gradient, source_name
-from horovod_aq.tensorflow.tape import _as_layers, check_horovod_defaults, resolve_compression
+from horovod_aq.tensorflow.tape import _as_layers, check_horovod_defaults, packed_compression
 
 compat.install()
 logger = logging.getLogger(__name__)
@@ -293,6 +293,7 @@ def DistributedOptimizer(
     telemetry: Telemetry | None = None,
     local_layers: Any = None,
     wire: str = "fixed",
+    error_feedback: bool | str = "auto",
 ) -> keras.optimizers.Optimizer:
     """A copy of the Keras 3 ``optimizer`` (same class and config) that averages gradients over
     ``process_set`` with the packed quantized exchange before every update.
@@ -305,7 +306,9 @@ def DistributedOptimizer(
     (``hvd.Average`` only); ``sparse_as_dense`` is accepted and implied; ``name`` renames the
     copy; ``device_dense``, ``device_sparse``, ``gradient_predivide_factor``, ``num_groups`` and
     ``groups`` accept only Horovod's defaults. A ``LossScaleOptimizer`` is rebuilt around a
-    distributed copy of its inner optimizer.
+    distributed copy of its inner optimizer. ``error_feedback``: "auto" (the default) wraps a
+    quantizer of at most 2 bits per code in ``horovod_aq.ErrorFeedback``, True any quantizer,
+    False none (docs/quantizers.md §5.9); ``compression`` is the compressor used.
 
     The returned object also has ``register_local_var``, ``end_step()``, ``compression``,
     ``exchange``, ``telemetry`` and ``buckets``.
@@ -320,7 +323,8 @@ def DistributedOptimizer(
             groups=groups, process_set=process_set,
             scale_local_gradients=scale_local_gradients, exchange=exchange,
             fusion_bytes=fusion_bytes, small_tensor_threshold=small_tensor_threshold,
-            network=network, telemetry=telemetry, local_layers=local_layers, wire=wire)
+            network=network, telemetry=telemetry, local_layers=local_layers, wire=wire,
+            error_feedback=error_feedback)
         return keras.optimizers.LossScaleOptimizer(
             inner, initial_scale=optimizer.initial_scale,
             dynamic_growth_steps=optimizer.dynamic_growth_steps,
@@ -335,7 +339,7 @@ def DistributedOptimizer(
                          scale_local_gradients=scale_local_gradients, exchange=exchange,
                          fusion_bytes=fusion_bytes, small_tensor_threshold=small_tensor_threshold,
                          network=network, telemetry=telemetry, local_layers=local_layers,
-                         wire=wire)
+                         wire=wire, error_feedback=error_feedback)
     cls = _distributed_class(type(optimizer), settings)
     config = optimizer.get_config()
     if name is not None:
@@ -351,7 +355,8 @@ def _settings(compression: Any, *, op: Any = hvd.Average, device_dense: str = ""
               scale_local_gradients: bool = True, exchange: str = "auto",
               fusion_bytes: int = DEFAULT_FUSION_BYTES, small_tensor_threshold: int = 0,
               network: NetworkModel | None = None, telemetry: Telemetry | None = None,
-              local_layers: Any = None, wire: str = "fixed") -> _Settings:
+              local_layers: Any = None, wire: str = "fixed",
+              error_feedback: bool | str = "auto") -> _Settings:
     """Validate :func:`DistributedOptimizer`'s arguments into the settings its class carries."""
     check_average(op, hvd.Average, "horovod.tensorflow.keras.DistributedOptimizer")
     check_horovod_defaults("horovod_aq.keras.DistributedOptimizer", device_dense=device_dense,
@@ -361,7 +366,9 @@ def _settings(compression: Any, *, op: Any = hvd.Average, device_dense: str = ""
     if isinstance(backward_passes_per_step, bool) or int(backward_passes_per_step) < 1:
         raise ValueError("backward_passes_per_step must be an integer >= 1, got "
                          f"{backward_passes_per_step!r}")
-    compression = NoCompression() if compression is None else resolve_compression(compression)
+    compression = NoCompression() if compression is None else compression
+    compression = packed_compression(compression, error_feedback,
+                                     "horovod.tensorflow.keras.DistributedOptimizer")
     packed = exchange_for(compression, process_set=process_set, exchange=exchange,
                           fusion_bytes=fusion_bytes,
                           small_tensor_threshold=small_tensor_threshold, network=network,

@@ -62,10 +62,11 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from horovod_aq import error_feedback_setting
 from horovod_aq.compressors import FP16, Compressor, NoCompression
 from horovod_aq.packed.cost import NetworkModel
 from horovod_aq.packed.plan import DEFAULT_FUSION_BYTES
-from horovod_aq.packed.protocol import check_average
+from horovod_aq.packed.protocol import check_average, check_compression
 from horovod_aq.telemetry import Telemetry
 from horovod_aq.tensorflow import compat
 from horovod_aq.tensorflow.aggregation import GradientReducer, LocalAggregation, aggregation_for
@@ -209,6 +210,7 @@ def DistributedGradientTape(
     gradient_predivide_factor: float = 1.0,
     num_groups: int = 0,
     groups: Any = None,
+    error_feedback: bool | str = "auto",
 ) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` averages with the packed quantized exchange.
 
@@ -235,6 +237,11 @@ def DistributedGradientTape(
         device_dense, device_sparse, gradient_predivide_factor, num_groups, groups: Horovod's;
             only their defaults are accepted (placement follows the gradients; buckets are
             fused by ``fusion_bytes``).
+        error_feedback: "auto" (the default) wraps a quantizer of at most 2 bits per code in
+            ``horovod_aq.ErrorFeedback`` (default coefficients; one INFO line), True any
+            quantizer, False none; an ``ErrorFeedback`` given stays as it is. The wrapper is made
+            once per compressor, so a tape rebuilt every step keeps one memory
+            (:mod:`horovod_aq.error_feedback_setting`, docs/quantizers.md §5.9).
     """
     check_average(op, hvd.Average, "hvd.DistributedGradientTape")
     check_horovod_defaults("horovod_aq.tensorflow.DistributedGradientTape",
@@ -243,7 +250,9 @@ def DistributedGradientTape(
                            num_groups=num_groups, groups=groups)
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"gradtape must be a tf.GradientTape, got {type(gradtape).__name__}")
-    packed = exchange_for(resolve_compression(compression), process_set=process_set,
+    packed = exchange_for(packed_compression(compression, error_feedback,
+                                             "hvd.DistributedGradientTape"),
+                          process_set=process_set,
                           exchange=exchange, fusion_bytes=fusion_bytes,
                           small_tensor_threshold=small_tensor_threshold, network=network,
                           telemetry=telemetry, wire=wire)
@@ -306,6 +315,16 @@ def resolve_compression(compression: Any) -> Any:
     if isinstance(compression, type) and issubclass(compression, Compressor):
         return compression.shared()
     return compression
+
+
+def packed_compression(compression: Any, error_feedback: Any, horovod_api: str) -> Any:
+    """The compressor a packed exchange uses: :func:`resolve_compression`, checked (
+    ``horovod_api`` names Horovod's wrapper for ``hvd.Compression`` objects), then with error
+    feedback as ``error_feedback`` says (:func:`horovod_aq.error_feedback_setting.resolve`)."""
+    error_feedback_setting.check(error_feedback)
+    compression = resolve_compression(compression)
+    check_compression(compression, horovod_api)
+    return error_feedback_setting.resolve(compression, error_feedback)
 
 
 def check_horovod_defaults(api: str, **given: Any) -> None:

@@ -386,7 +386,8 @@ def _demo_run(args: argparse.Namespace, compression: str, seed: int, out: str,
     cmd = [_horovodrun(), "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo",
            sys.executable, _repo_path("examples", "pytorch_mnist.py"),
            "--compression", compression, "--bits", str(args.bits), "--seed", str(seed),
-           "--epochs", str(args.epochs), "--out", out, "--no-progress"]
+           "--epochs", str(args.epochs), "--error-feedback", args.error_feedback, "--out", out,
+           "--no-progress"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
     log_path = os.path.join(out, "horovodrun.log")
     with open(log_path, "w") as log:
@@ -455,7 +456,8 @@ def demo(args: argparse.Namespace) -> int:
     names = ("fp32", f"{args.compression}{args.bits}")
     print(f"demo: the MNIST example on {args.np} local ranks, {args.epochs} epochs, "
           f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}: fp32 and "
-          f"--compression {args.compression} --bits {args.bits}, with the same hyperparameters, "
+          f"--compression {args.compression} --bits {args.bits} --error-feedback "
+          f"{args.error_feedback}, with the same hyperparameters, "
           "initial weights and sample order for both", flush=True)
     progress = _DemoProgress(2 * len(seeds) * args.epochs, show=not args.no_progress)
     pairs = []
@@ -549,6 +551,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     dm.add_argument("--compression", default="alq", help="the run compared with fp32")
     dm.add_argument("--bits", type=int, default=3)
     dm.add_argument("--epochs", type=int, default=DEMO_EPOCHS)
+    dm.add_argument("--error-feedback", choices=["auto", "on", "off"], default="auto",
+                    help="the example's --error-feedback: auto (the package default: on for "
+                         "quantizers of <= 2 bits, docs/quantizers.md §5.9), on or off")
     dm.add_argument("--seeds", default=DEMO_SEEDS,
                     help="comma-separated seeds; each trains both runs from the same weights")
     dm.add_argument("--out", default=DEMO_OUT,

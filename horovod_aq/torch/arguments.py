@@ -14,6 +14,7 @@ import torch
 from horovod.torch.compression import FP16Compressor, NoneCompressor
 from horovod.torch.mpi_ops import Adasum, Average, Sum
 
+from horovod_aq import error_feedback_setting
 from horovod_aq.compressors import FP16, Compressor, NoCompression
 from horovod_aq.packed.protocol import check_compression
 
@@ -34,14 +35,19 @@ WRAPPED_MESSAGE = (
 
 def check_horovod_args(optimizer: Any, compression: Any, *, op: Any,
                        gradient_predivide_factor: float, num_groups: int, groups: Any,
-                       backward_passes_per_step: Any) -> tuple[Any, Any]:
+                       backward_passes_per_step: Any,
+                       error_feedback: bool | str = "auto") -> tuple[Any, Any]:
     """``hvd.DistributedOptimizer``'s arguments as Horovod checks them, plus what the packed
-    exchange refuses; returns (the compression resolved, the groups: ``num_groups`` folded in).
+    exchange refuses; returns (the compression resolved, with error feedback as
+    ``error_feedback`` says (:mod:`horovod_aq.error_feedback_setting`), the groups:
+    ``num_groups`` folded in).
     """
     if "_allreduce_grad_async" in type(optimizer).__dict__:
         raise TypeError(WRAPPED_MESSAGE)
+    error_feedback_setting.check(error_feedback)
     compression = resolve_compression(compression)
     check_compression(compression, "hvd.DistributedOptimizer")
+    compression = error_feedback_setting.resolve(compression, error_feedback)
     passthrough = not compression.quantizes and compression.error_memory is None
     if op == Adasum and not passthrough:
         raise ValueError(ADASUM_MESSAGE)

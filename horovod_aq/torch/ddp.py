@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from horovod_aq import error_feedback_setting
 from horovod_aq.compressors import NoCompression
 from horovod_aq.error_feedback import collective_state_dict, select_memory
 from horovod_aq.packed.autowire import AutoWire
@@ -151,6 +152,11 @@ class QuantizedHookState:
             Kept in :attr:`coding`, which may be changed between steps (the same on every rank;
             a change measures again); :attr:`autowire` shows the decision, which
             :meth:`state_dict` holds.
+        error_feedback: "auto" (the default) wraps a quantizer of at most 2 bits per code in
+            ``horovod_aq.ErrorFeedback`` (default coefficients; one INFO line), True any
+            quantizer, False none; an ``ErrorFeedback`` given stays as it is. Resolved at
+            construction (:mod:`horovod_aq.error_feedback_setting`, docs/quantizers.md §5.9);
+            :attr:`compression` is the compressor used.
     """
 
     __slots__ = (
@@ -168,10 +174,15 @@ class QuantizedHookState:
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  exchange: str = "auto", network: NetworkModel | None = None,
                  telemetry: Telemetry | None = None, name: str | None = None,
-                 stall_timeout_s: float | None = None, wire: Any = "auto") -> None:
+                 stall_timeout_s: float | None = None, wire: Any = "auto",
+                 error_feedback: bool | str = "auto") -> None:
         compression = NoCompression() if compression is None else compression
         check_wire(wire)
+        error_feedback_setting.check(error_feedback)
         check_compression(compression, "torch.distributed.algorithms.ddp_comm_hooks")
+        # resolved here, not at the first bucket: it needs no process group, and the name
+        # prefix below is the compressor's that is used
+        compression = error_feedback_setting.resolve(compression, error_feedback)
         self.compression = compression
         self.settings = ExchangeSettings(exchange, network=network)
         self.telemetry = telemetry if telemetry is not None else Telemetry()

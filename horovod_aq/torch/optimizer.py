@@ -635,6 +635,7 @@ def DistributedOptimizer(
     telemetry: Telemetry | None = None,
     stall_timeout_s: float | None = None,
     wire: Any = "auto",
+    error_feedback: bool | str = "auto",
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are averaged with the packed quantized exchange.
 
@@ -683,11 +684,17 @@ def DistributedOptimizer(
             ``horovod_aq.packed.autowire.AutoWire`` sets the measurement's schedule
             (``AutoWire("auto", warmup_steps=2, measure_steps=8)``). The decision is in
             :meth:`state_dict` (``"horovod_aq_wire"``); :attr:`autowire` shows it.
+        error_feedback: "auto" (the default) wraps a quantizer of at most 2 bits per code in
+            ``horovod_aq.ErrorFeedback`` (its default coefficients, one INFO line), True any
+            quantizer, False none; an ``ErrorFeedback`` given stays as it is
+            (:mod:`horovod_aq.error_feedback_setting`, docs/quantizers.md §5.9).
+            :attr:`compression` is the compressor used.
     """
     wire = check_wire(wire)
     compression, groups = arguments.check_horovod_args(
         optimizer, compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
-        num_groups=num_groups, groups=groups, backward_passes_per_step=backward_passes_per_step)
+        num_groups=num_groups, groups=groups, backward_passes_per_step=backward_passes_per_step,
+        error_feedback=error_feedback)
     if op == Adasum:
         logger.info("op=hvd.Adasum with %s: using hvd.DistributedOptimizer (Horovod's Adasum "
                     "optimizer); the packed exchange's arguments and telemetry do not apply",
