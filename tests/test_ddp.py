@@ -425,7 +425,7 @@ def checksum_exchange(steps=3, exchange="auto"):
     return out
 
 
-def trainable_changes(steps=1):
+def trainable_changes(steps=2):
     """Fine-tuning under DDP with the hook (docs/ddp.md § Changing what trains): the head trains
     with the body frozen; the body is unfrozen and DDP rebuilt with find_unused_parameters=True
     around the same hook state; then the head is frozen without a rebuild."""
