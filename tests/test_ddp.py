@@ -425,6 +425,42 @@ def checksum_exchange(steps=3, exchange="auto"):
     return out
 
 
+def trainable_changes(steps=2):
+    """Fine-tuning under DDP with the hook (docs/ddp.md § Changing what trains): the head trains
+    with the body frozen; the body is unfrozen and DDP rebuilt with find_unused_parameters=True
+    around the same hook state; then the head is frozen without a rebuild."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import horovod_aq
+    from horovod_aq.torch import ddp as aqddp
+    from tests.ranks import tiny_model
+
+    model = tiny_model(torch, 0, SIZES)
+    body, head = list(model[0].parameters()), list(model[-1].parameters())
+    for p in body:
+        p.requires_grad_(False)
+    net = DDP(model, bucket_cap_mb=CAP_MB)
+    state = aqddp.register(net, horovod_aq.QSGD(bits=3, bucket_size=BUCKET, seed=SEED))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    params, layouts = [_params(model)], []
+    for phase in ("head", "unfrozen", "head frozen"):
+        if phase == "unfrozen":
+            for p in body:
+                p.requires_grad_(True)
+            net = DDP(model, bucket_cap_mb=CAP_MB, find_unused_parameters=True)
+            net.register_comm_hook(state, aqddp.quantized_hook)
+        if phase == "head frozen":
+            for p in head:
+                p.requires_grad_(False)
+        layouts.append([])
+        _train(net, opt, steps, first=len(params),
+               after=lambda step: layouts[-1].append(sorted(n for b in state.buckets
+                                                            for n in b[3])))
+        params.append(_params(model))
+    return {"params": params, "layouts": layouts}
+
+
 CHECKS = {
     2: [("oracle", {}), ("checksum_exchange", {}),
         ("overflow_marker", {}), ("overflow_marker[two_phase]", {"exchange": "two_phase"}),
@@ -440,7 +476,7 @@ CHECKS = {
         ("oracle[entropy]", {"wire": "entropy", "steps": 3}),
         ("oracle[entropy_two_phase]", {"exchange": "two_phase", "wire": "entropy", "steps": 3}),
         ("raise_nonfinite[entropy_two_phase]", {"exchange": "two_phase", "wire": "entropy"}),
-        ("auto_wire", {})],
+        ("auto_wire", {}), ("trainable_changes", {})],
     4: [("oracle", {"exchange": "two_phase", "steps": 3}), ("oracle[allgather]",
                                                             {"exchange": "allgather", "steps": 2}),
         ("unbiased", {"exchange": "two_phase", "steps": 150}),
@@ -774,3 +810,19 @@ def test_auto_wire_measures_decides_alike_switches_and_keeps_its_decision(result
         for t, i, coding, _ in r["resumed_codings"]:
             assert coding == decision.choices[i].coding
         assert np.isfinite(r["resumed_losses"]).all()
+
+
+def test_unfreezing_under_ddp_needs_a_rebuild_and_freezing_find_unused(results):
+    ranks = _get(results, "trainable_changes")
+    first, head, body = ranks[0]["params"], "6.", "0."   # params after each phase
+    for r in ranks[1:]:   # replicas identical after every phase
+        for got, want in zip(r["params"], first):
+            for n in want:
+                np.testing.assert_array_equal(got[n], want[n], err_msg=n)
+    for n in first[0]:
+        moved = [not np.array_equal(a[n], b[n]) for a, b in zip(first, first[1:])]
+        assert moved == ([False, True, True] if n.startswith(body) else
+                         [True, True, False] if n.startswith(head) else [True] * 3), n
+    head_only, unfrozen, head_frozen = ranks[0]["layouts"]   # the hook's units, each step
+    assert all(lay == sorted(n for n in first[0] if not n.startswith(body)) for lay in head_only)
+    assert all(lay == sorted(first[0]) for lay in unfrozen + head_frozen)   # frozen: still sent

@@ -1,5 +1,6 @@
 """The packed exchange's per-rank decisions (horovod_aq.packed: marker, receive, params, chunks,
-send, waiting), framework-free: every integration calls these, so they are checked here once."""
+send, waiting, trainable), framework-free: every integration calls these, so they are checked
+here once."""
 
 from __future__ import annotations
 
@@ -249,3 +250,50 @@ def test_sent_bytes_of_each_exchange():
     assert send.sent_bytes("two_phase", [10, 20, 30], 1, 3) == (60, 40)
     # a re-encoded chunk goes out like an allgather payload
     assert send.sent_bytes("allgather", [7], 2, 3)[1] == 14
+
+
+# ---------------------------------------------------------------- what trains (packed.trainable)
+def test_a_change_of_what_trains_is_planned_again():
+    from horovod_aq.packed.trainable import Trainable, replan_reason
+
+    head = Trainable.of([("head.w", 640), ("head.b", 10)])
+    assert replan_reason(head, Trainable.of([("head.w", 640), ("head.b", 10)])) is None
+    both = Trainable.of([("body.w", 1280), ("body.b", 64), ("head.w", 640), ("head.b", 10)])
+    assert str(both) == f"4 tensors, 1,994 elements (set {both.digest:08x})"
+    assert replan_reason(head, both) == (
+        "the trainable parameters changed: 2 joined ('body.w', 'body.b'); now " + str(both))
+    assert replan_reason(both, head).endswith("2 left ('body.w', 'body.b'); now " + str(head))
+    swapped = replan_reason(head, Trainable.of([("body.w", 1280)]))
+    assert "1 joined ('body.w'); 2 left ('head.w', 'head.b')" in swapped
+    reordered = Trainable.of([("head.b", 10), ("head.w", 640)])
+    assert "their order or sizes changed" in replan_reason(head, reordered)
+    many = Trainable.of([(f"p{i}", 1) for i in range(6)])
+    assert "6 joined ('p0', 'p1', 'p2', 'p3' and 2 more)" in replan_reason(Trainable.of([]), many)
+
+
+def test_the_agreement_on_what_trains_fails_alike_on_every_rank():
+    from horovod_aq.packed.protocol import ConfigMismatchError
+    from horovod_aq.packed.trainable import Trainable, agree_first, agreement_row, check_agreement
+
+    head = Trainable.of([("head.w", 640), ("head.b", 10)])
+    both = Trainable.of([("body.w", 1280), ("head.w", 640), ("head.b", 10)])
+    row = agreement_row(head, 0xABC)
+    assert row.dtype == np.int64 and row.tolist() == [head.digest, 2, 650, 0xABC]
+    check_agreement(np.stack([row, row]))    # the same everywhere: nothing to say
+    rows = np.stack([agreement_row(both, 0xDEF), row])
+    with pytest.raises(ConfigMismatchError) as err:
+        check_agreement(rows)
+    message = str(err.value)
+    assert "requires_grad and call add_param_group identically on every rank" in message
+    assert f"rank 0: 3 tensors, 1,930 elements (set {both.digest:08x}), layout 00000def" in message
+    assert f"rank 1: 2 tensors, 650 elements (set {head.digest:08x}), layout 00000abc" in message
+    with pytest.raises(ConfigMismatchError) as again:   # a function of the rows alone
+        check_agreement(rows.reshape(-1))
+    assert str(again.value) == message
+    assert plan.agreement_name("qsgd.c1234abcd") == "aq.trainable.qsgd.c1234abcd"
+    assert waiting.doing("aq.trainable.qsgd.c1") == (
+        "agreeing with the other ranks on which parameters train")
+    # collected before a handshake only once one passed in this world
+    assert agree_first(handshake_due=True, handshaken_in_world=True)
+    assert not agree_first(handshake_due=True, handshaken_in_world=False)
+    assert not agree_first(handshake_due=False, handshaken_in_world=True)

@@ -244,29 +244,6 @@ def retried_backward():
     return out
 
 
-def parameters_after_wrapping():
-    """17.6: add_param_group, or unfreezing a parameter, after the optimizer was built: every
-    rank raises the same error naming the parameter, before anything is submitted."""
-    torch, hvd = init_torch()
-    import horovod_aq.torch as aqt
-
-    out = {}
-    torch.manual_seed(0)
-    a = torch.nn.Parameter(torch.randn(5))
-    frozen = torch.nn.Parameter(torch.randn(4), requires_grad=False)
-    opt = aqt.DistributedOptimizer(torch.optim.SGD([a, frozen], lr=0.1),
-                                   [("a", a), ("frozen", frozen)], _qsgd())
-    frozen.requires_grad_(True)
-    out["unfrozen"] = _error(lambda: ((a ** 2).sum() + (frozen ** 2).sum()).backward())
-    b = torch.nn.Parameter(torch.randn(5))
-    c = torch.nn.Parameter(torch.randn(3))
-    opt2 = aqt.DistributedOptimizer(torch.optim.SGD([b], lr=0.1), [("b", b)], _qsgd())
-    opt2.add_param_group({"params": [c]})
-    out["added"] = _error(lambda: ((b ** 2).sum() + (c ** 2).sum()).backward())
-    del opt, opt2
-    return out
-
-
 def padded_tail_chunk():
     """17.7: a one-element parameter over the two-phase exchange: its chunk is mostly zero
     padding. Each rank's value is exactly representable (|x| / norm = 1), so the average must
@@ -315,8 +292,7 @@ def stalled_exchange():
 
     started = time.monotonic()
     err = _error(opt.step)
-    return {"error": err, "seconds": time.monotonic() - started,
-            "bucket": opt.buckets[0][0]}
+    return {"error": err, "seconds": time.monotonic() - started}
 
 
 def checksummed_exchange():
@@ -346,7 +322,7 @@ def checksummed_exchange():
 
 
 CHECKS = [missing_gradients, overflowing_norm, content_names, retried_backward,
-          parameters_after_wrapping, padded_tail_chunk, checksummed_exchange]
+          padded_tail_chunk, checksummed_exchange]
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
@@ -436,16 +412,6 @@ def test_a_failed_backward_can_be_retried_or_completed(launch):
 
 
 @pytest.mark.multiprocess
-def test_parameters_added_after_wrapping_are_refused(launch):
-    r0, r1 = launch.get(parameters_after_wrapping)
-    for r in (r0, r1):
-        assert r["unfrozen"][0] == "RuntimeError" and "'frozen'" in r["unfrozen"][1]
-        assert r["added"][0] == "RuntimeError" and "param group 1" in r["added"][1]
-        assert "wrap" in r["added"][1] or "Build the DistributedOptimizer" in r["added"][1]
-    assert r0 == r1
-
-
-@pytest.mark.multiprocess
 def test_two_phase_padding_adds_no_noise(launch):
     r0, r1 = launch.get(padded_tail_chunk)
     assert r0["modes"] == ["two_phase"]
@@ -466,7 +432,9 @@ def test_a_stalled_exchange_ends_with_an_error_on_every_rank(stall_launch):
         assert r["seconds"] < 60
         if kind == "ExchangeStalledError":
             stalled += 1
-            assert f"aq.ag.{r['bucket']}" in message and "different collective" in message
+            # the first collective a rank waits for in a step: the agreement on what trains
+            assert "aq.trainable." in message and "which parameters train" in message
+            assert "different collective" in message
             assert "at step 1" in message
         else:   # a rank whose peer ended first may see Horovod's shutdown instead
             assert kind == "HorovodInternalError", r["error"]

@@ -525,10 +525,106 @@ def auto_wire(steps: int = 12, resumed_steps: int = 3):
             "resumed_losses": resumed}
 
 
+# ---------------------------------------------------------------- changing what trains
+#: ECQ-SGD around the quantizer in the re-plan check, so that its error-memory rule shows.
+REPLAN_EF = (0.3, 0.8)
+
+
+def replan_finetune():
+    """Fine-tuning on the packed path: train the head with the body frozen (steps 0-1), unfreeze
+    the body (step 2), add an adapter with add_param_group (step 4), freeze the head (step 5).
+    Each change re-plans at the next step; the exchanged steps are recorded for the oracle."""
+    import copy
+
+    torch, hvd = init_torch()
+    import torch.nn.functional as F
+
+    import horovod_aq
+    import horovod_aq.torch as aqt
+
+    model = tiny_model(torch, 0)
+    body, head = model[0], model[2]
+    adapter = torch.nn.Linear(10, 10)
+    for p in body.parameters():
+        p.requires_grad_(False)
+    alpha, beta = REPLAN_EF
+    comp = horovod_aq.ErrorFeedback(horovod_aq.QSGD(bits=3, bucket_size=BUCKET, seed=7),
+                                    alpha=alpha, beta=beta)
+    opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   model.named_parameters(), comp, exchange="allgather",
+                                   fusion_bytes=FUSION_BYTES)
+    lines = _log_lines("horovod_aq.torch.optimizer")
+    rec = EncodeRecorder(opt.wire)
+    net = model
+    # the optimizer's names: the adapter's parameters come without one (Horovod's unnamed form)
+    named = list(model.named_parameters()) + [
+        (f"allreduce.noname.1.{i}", p) for i, p in enumerate(adapter.parameters())]
+    weights, steps = [], []
+    for step in range(6):
+        if step == 2:
+            for p in body.parameters():
+                p.requires_grad_(True)
+        if step == 4:
+            opt.add_param_group({"params": list(adapter.parameters()), "lr": 0.1})
+            net = torch.nn.Sequential(model, adapter)
+        if step == 5:
+            for p in head.parameters():
+                p.requires_grad_(False)
+        x, y = _batch(torch, hvd.rank(), step=step)
+        ref = copy.deepcopy(net)   # the local gradient, without hooks
+        F.cross_entropy(ref(x), y).backward()
+        local = {n: p.grad.numpy().copy() for (n, _), p in zip(named, ref.parameters())
+                 if p.grad is not None}
+        rec.entries.clear()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.synchronize()
+        steps.append({"entries": list(rec.entries), "buckets": opt.buckets, "local": local,
+                      "grads": {n: p.grad.numpy().copy() for n, p in named
+                                if p.grad is not None},
+                      "memory": sorted(comp.error_memory.memory), "loss": float(loss)})
+        with opt.skip_synchronize():
+            opt.step()
+        opt.zero_grad()
+        weights.append({n: p.detach().numpy().copy() for n, p in named})
+    return {"steps": steps, "weights": weights, "lines": list(lines),
+            "levels": comp.table.levels, "version": comp.table.version}
+
+
+def replan_one_rank():
+    """Only rank 0 unfreezes: every rank raises the same error, none waits (kept last in its
+    launch: the other ranks' collectives of the old plan are left unmatched)."""
+    torch, hvd = init_torch()
+    import torch.nn.functional as F
+
+    import horovod_aq
+    import horovod_aq.torch as aqt
+
+    model = tiny_model(torch, 0)
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   model.named_parameters(), horovod_aq.QSGD(bits=3),
+                                   fusion_bytes=FUSION_BYTES, stall_timeout_s=60)
+    try:
+        for step in range(3):
+            if step == 2 and hvd.rank() == 0:
+                for p in model[0].parameters():
+                    p.requires_grad_(True)
+            x, y = _batch(torch, hvd.rank(), step=step)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 TWO_RANK_CHECKS = [oracle_allgather, oracle_two_phase, oracle_accumulate, unbiased_two_phase,
                    refit_tables, checkpoint_resume, train_fp32, train_alq_packed, train_alq_stock,
                    dqsgd_bits_agree, ecq_packed, ef_auto_two_bits, settings_mismatch_detected,
-                   version_mismatch_refused, entropy_wire, entropy_training, auto_wire]
+                   version_mismatch_refused, entropy_wire, entropy_training, auto_wire,
+                   replan_finetune, replan_one_rank]
 FOUR_RANK_CHECKS = [oracle_allgather, oracle_two_phase, refit_tables, process_sets_split,
                     settings_mismatch_detected]
 
@@ -868,3 +964,76 @@ def test_auto_wire_measures_decides_alike_switches_and_keeps_its_decision(launch
         for t, i, coding in r["resumed_codings"]:
             assert coding == decision.choices[i].coding
         assert np.isfinite(r["resumed_losses"]).all()
+
+
+# ---------------------------------------------------------------- changing what trains
+def _replanned(results, step, names):
+    """The step's buckets carry exactly ``names``, and every bucket's gradient is the numpy
+    decode-average of the payloads every rank encoded (the allgather oracle)."""
+    steps = [r["steps"][step] for r in results]
+    table = _table(results[0])
+    assert sorted(n for b in steps[0]["buckets"] for n in b[3]) == sorted(names)
+    for name, numel, mode, params in steps[0]["buckets"]:
+        payloads = [next(e[3] for e in s["entries"] if e[0] == name) for s in steps]
+        expected = codec.decode_average(np.stack(payloads), table)
+        for s in steps:
+            np.testing.assert_array_equal(_bucket_grads(s, params), expected)
+
+
+@pytest.mark.reads("replan_finetune")
+def test_unfreezing_plans_the_exchange_again(launch):
+    results = _get(launch, replan_finetune)
+    head, body = ["2.weight", "2.bias"], ["0.weight", "0.bias"]
+    adapter = ["allreduce.noname.1.0", "allreduce.noname.1.1"]   # added without names
+    _replanned(results, 1, head)
+    _replanned(results, 2, body + head)
+    _replanned(results, 4, body + head + adapter)
+    _replanned(results, 5, body + adapter)
+    first = results[0]["weights"]
+    for r in results[1:]:   # replicas stay identical
+        for got, want in zip(r["weights"], first):
+            assert got.keys() == want.keys()
+            for n in got:
+                np.testing.assert_array_equal(got[n], want[n])
+    w = first
+    for n in body:   # frozen: unchanged until unfrozen, then trained
+        np.testing.assert_array_equal(w[0][n], w[1][n])
+        assert not np.array_equal(w[1][n], w[2][n]) and not np.array_equal(w[4][n], w[5][n])
+    for n in head:   # frozen at step 5: unchanged by it
+        assert not np.array_equal(w[3][n], w[4][n])
+        np.testing.assert_array_equal(w[4][n], w[5][n])
+    assert not any(np.array_equal(w[4][n], w[5][n]) for n in adapter)
+    for r in results:   # one line per re-plan, on every rank
+        assert len(r["lines"]) == 3, r["lines"]
+        assert "2 joined ('0.weight', '0.bias')" in r["lines"][0]
+        assert "2 joined ('allreduce.noname.1.0', 'allreduce.noname.1.1')" in r["lines"][1]
+        assert "2 left ('2.weight', '2.bias')" in r["lines"][2]
+        assert all("error memory from zero" in line for line in r["lines"])
+
+
+@pytest.mark.reads("replan_finetune")
+def test_a_replan_starts_the_error_memory_from_zero(launch):
+    """ECQ-SGD encodes g + α·h: at a re-plan's step h is zero (what the old buckets held is
+    dropped), at the next step it is β·0 + (g − g̃) of the re-planned buckets."""
+    alpha, beta = REPLAN_EF
+    table = _table(_get(launch, replan_finetune)[0])
+    for r in _get(launch, replan_finetune):
+        steps = r["steps"]
+        for step in (2, 4, 5):
+            assert steps[step]["memory"] == sorted(b[0] for b in steps[step]["buckets"])
+            assert not set(steps[step]["memory"]) & set(steps[step - 1]["memory"])
+        for name, numel, mode, params in steps[2]["buckets"]:
+            sent = [next(e for e in steps[k]["entries"] if e[0] == name) for k in (2, 3)]
+            g = [np.concatenate([steps[k]["local"][n].ravel() for n in params]) for k in (2, 3)]
+            np.testing.assert_array_equal(sent[0][2], g[0])
+            h = g[0] - codec.decode(sent[0][3], table)
+            np.testing.assert_allclose(sent[1][2], g[1] + np.float32(alpha) * h, atol=1e-6)
+
+
+@pytest.mark.reads("replan_one_rank")
+def test_one_rank_changing_what_trains_stops_every_rank(launch):
+    messages = _get(launch, replan_one_rank)
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith("ConfigMismatchError: horovod_aq: ranks disagree on which "
+                                  "parameters train"), messages[0]
+    assert "rank 0: 4 tensors" in messages[0] and "rank 1: 2 tensors" in messages[0]

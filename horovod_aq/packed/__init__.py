@@ -9,5 +9,6 @@
   send and its error-feedback update), ``marker`` (what replaces payloads that cannot travel),
   ``receive`` (ok / skip / raise on the rows a collective delivered), ``params`` (element →
   parameter), ``chunks`` (the real coordinates of a two-phase chunk), ``waiting`` (polls with a
-  stall deadline).
+  stall deadline), ``world`` and ``trainable`` (when an exchange is planned again: elastic
+  Horovod changed the world, or what trains changed; the per-step agreement on what trains).
 """

@@ -75,6 +75,13 @@ def handshake_name() -> str:
     return "aq.handshake"
 
 
+def agreement_name(key: str) -> str:
+    """The per-step agreement on what trains (:mod:`horovod_aq.packed.trainable`) of the
+    exchange whose content key was ``key`` when it was built: no later change of what trains
+    alters it, so a rank that changed alone still meets the others in it."""
+    return f"aq.trainable.{op_name(key)}"
+
+
 @dataclass(frozen=True)
 class BucketPlan:
     """One fused bucket: which tensors (indices into the planner's input), its name and wire."""

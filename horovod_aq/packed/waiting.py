@@ -84,7 +84,8 @@ POLL_MAX_S = 1e-3
 DOING = (("aq.handshake", "comparing settings with the other ranks at the first exchange"),
          ("aq.stats.", "gathering refit statistics"),
          ("aq.lv.", "receiving the refitted level table"),
-         ("aq.efstate.", "gathering error-feedback memory for a checkpoint"))
+         ("aq.efstate.", "gathering error-feedback memory for a checkpoint"),
+         ("aq.trainable.", "agreeing with the other ranks on which parameters train"))
 EXCHANGING = "waiting for the gradient exchange"
 
 

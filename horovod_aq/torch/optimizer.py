@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -48,7 +49,7 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 from horovod.common.util import split_list
-from horovod.torch.mpi_ops import Adasum, Average, Sum, allreduce_async_
+from horovod.torch.mpi_ops import Adasum, Average, Sum, allgather_async, allreduce_async_
 from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
 
 from horovod_aq.packed import plan as names
@@ -67,6 +68,8 @@ from horovod_aq.packed.protocol import (
     step_record,
 )
 from horovod_aq.packed.receive import JoinedRankError
+from horovod_aq.packed.trainable import Trainable, agree_first, agreement_row, check_agreement
+from horovod_aq.packed.trainable import replan_reason as trainable_change
 from horovod_aq.packed.waiting import Deadline, ExchangeStalledError
 from horovod_aq.packed.waiting import stall_timeout_s as stall_timeout_s_of
 from horovod_aq.packed.wire_setting import WireSetting
@@ -161,6 +164,11 @@ class _PackedOptimizer(torch.optim.Optimizer):
                 gradient_predivide_factor=gradient_predivide_factor, groups=None,
                 sparse_as_dense=sparse_as_dense, process_set=process_set)
         checkpoint.watch_broadcasts(self)
+        #: Whether Horovod registered gradient hooks (it does not on a single rank): what
+        #: trains is followed only then (:meth:`_aq_follow_trainable`).
+        self._aq_hooks = bool(process_set.included() and (
+            hvd.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"))
+        self._aq_hooked = set(self._requires_update)
         self._aq_active = bool(self._requires_update)
         self._aq_groups_key = arguments.groups_key(groups, self._parameter_names)
         # Horovod's split of an average into a pre- and a post-scale (the C++ side divides by
@@ -168,6 +176,17 @@ class _PackedOptimizer(torch.optim.Optimizer):
         self._aq_scale = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
                           if op == Average else (1.0, 1.0))
         self._aq_wire = None
+        self._aq_world: World | None = None
+        self._aq_trainable = self._aq_trainable_now()
+        #: The per-step agreement on what trains (``packed.trainable``): its allgather's name
+        #: comes from what the optimizer was built with, so no later change alters it. None:
+        #: not submitted this step; a handle: in flight; True: agreed.
+        self._aq_agreement_name = names.agreement_name(names.exchange_key(self._aq.name, [
+            (self._parameter_names[p], p.numel()) for group in self.param_groups
+            for p in group["params"]], (
+            settings.exchange, settings.fusion_bytes, settings.small_tensor_threshold,
+            self.backward_passes_per_step, self._aq_groups_key)))
+        self._aq_agreement: Any = None
         self._aq_build(self._aq_world_now())
 
     # ------------------------------------------------------------------ the world
@@ -183,7 +202,13 @@ class _PackedOptimizer(torch.optim.Optimizer):
         elastic change of world): the rank count, the engine with its collectives (this rank's
         chunk, the global rank that keys the random stream), the exchange's content name, the
         ``wire=`` setting (its measurement starts afresh), the refit Comm, the traffic cache and
-        the bucket plan; the handshake runs before the next exchange."""
+        the bucket plan; the handshake runs before the next exchange. In the same world (a
+        change of what trains) the refit Comm is kept."""
+        if world != self._aq_world:
+            self._aq_comm_cache = None
+            #: Whether a handshake passed in this world (``packed.trainable.agree_first``).
+            self._aq_handshaken = False
+            self._aq_agreement = None   # one in flight belonged to the old world
         self._aq_world = world
         self._aq_ranks = world.size
         tap = self._aq_wire.tap if self._aq_wire is not None else None
@@ -196,16 +221,13 @@ class _PackedOptimizer(torch.optim.Optimizer):
         settings = self._aq_settings
         #: Content name of this exchange (docs/protocol.md §6): the same on every rank that
         #: builds the same model and settings, however many other optimizers a rank created.
-        self._aq_prefix = names.exchange_key(self._aq.name, [
-            (self._parameter_names[p], p.numel()) for group in self.param_groups
-            for p in group["params"] if p.requires_grad], (
+        self._aq_prefix = names.exchange_key(self._aq.name, self._aq_trainable.tensors, (
             settings.exchange, settings.fusion_bytes, settings.small_tensor_threshold,
             self._aq_ranks, self.backward_passes_per_step, self._aq_groups_key))
         #: How the buckets' payloads are coded, per step (``wire=``; docs/protocol.md §5.5).
         self._aq_wire_setting = WireSetting(self._aq_wire_arg, name=self._aq_prefix)
         if self._aq_wire is not None:
             self._aq_wire_setting.attach(self._aq_wire)
-        self._aq_comm_cache = None
         self._aq_traffic: dict[int, Traffic] = {}
         self._aq_plan()
         self._aq_checked = False
@@ -227,12 +249,76 @@ class _PackedOptimizer(torch.optim.Optimizer):
             self._aq.error_memory.reset(reason)
         self._aq_build(now)
 
+    # ------------------------------------------------------------------ what trains
+    def _aq_trainable_params(self) -> list[torch.Tensor]:
+        """The parameters that get gradients, in registration order."""
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def _aq_trainable_now(self) -> Trainable:
+        return Trainable.of((self._aq_name(p), p.numel()) for p in self._aq_trainable_params())
+
+    def _aq_name(self, p: torch.Tensor) -> str:
+        """The parameter's name: from ``named_parameters``, or for a parameter added later
+        without one, Horovod's unnamed form by its place (the same on every rank)."""
+        name = self._parameter_names.get(p)
+        if name is None:
+            g, i = next((g, i) for g, group in enumerate(self.param_groups)
+                        for i, q in enumerate(group["params"]) if q is p)
+            name = self._parameter_names[p] = f"allreduce.noname.{g}.{i}"
+        return name
+
+    def _aq_follow_trainable(self) -> bool:
+        """At the first gradient of a step: if what trains changed since the plan
+        (``requires_grad`` flipped, ``add_param_group``), give the new parameters Horovod's
+        hooks, stop waiting for frozen ones, and plan the exchange again from the new set, with
+        the error memory from zero (docs/horovod_compat.md § Changing what trains). Returns
+        whether it re-planned."""
+        if not self._aq_hooks:
+            return False
+        now = self._aq_trainable_now()
+        reason = trainable_change(self._aq_trainable, now)
+        if reason is None:
+            return False
+        if self._aq_passthrough and self._aq_groups is not None:
+            raise RuntimeError(
+                f"horovod_aq: {reason}, but Horovod's groups= without quantization cannot be "
+                "planned again: build the DistributedOptimizer again after the change (on every "
+                "rank), or leave groups= out")
+        trainable = self._aq_trainable_params()
+        for p in trainable:
+            self._allreduce_delay.setdefault(p, self.backward_passes_per_step)
+            if p not in self._aq_hooked:   # Horovod's hook, as its _register_hooks makes it
+                with torch.enable_grad():  # (a hook runs inside backward, without grad mode)
+                    grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                grad_acc.register_hook(self._make_hook(p))
+                self._grad_accs.append(grad_acc)
+                self._aq_hooked.add(p)
+        self._requires_update.clear()
+        self._requires_update.update(trainable)
+        self._aq_active = bool(trainable)
+        logger.info("horovod_aq: %s: step %d: %s; planning the exchange again (buckets, "
+                    "collectives, wire measurement%s)", self._aq.name, self._aq_q.step, reason,
+                    "; error memory from zero" if self._aq.error_memory is not None else "")
+        if self._aq.error_memory is not None:
+            self._aq.error_memory.reset(reason)
+        self._aq_trainable = now
+        self._aq_build(self._aq_world)
+        return True
+
+    def _aq_agree(self) -> None:
+        """Collect this step's agreement on what trains (submitted at the step's first
+        gradient); every rank raises the same ConfigMismatchError if a rank differs."""
+        if self._aq_agreement is None or self._aq_agreement is True:
+            return
+        handle, self._aq_agreement = self._aq_agreement, True
+        check_agreement(wait(handle, self._aq_deadline, self._aq_agreement_name).numpy())
+
     # ------------------------------------------------------------------ layout
     def _aq_plan(self) -> None:
         """Assign every trainable parameter to a bucket or to the allreduce route, in reverse
         registration order (≈ backward order); see :func:`horovod_aq.packed.plan.plan_buckets`.
         With Horovod ``groups``, no bucket mixes two groups (:meth:`_aq_group_ids`)."""
-        ordered = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        ordered = self._aq_trainable_params()
         ordered.reverse()
         param_names = [self._parameter_names[p] for p in ordered]
         numels = [p.numel() for p in ordered]
@@ -314,8 +400,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         if isinstance(groups, list):
             number = {id(p): k for k, members in enumerate(groups) for p in members}
             return [number.get(id(p), len(groups)) for p in ordered]
-        registered = [p for group in self.param_groups for p in group["params"]
-                      if p.requires_grad]
+        registered = self._aq_trainable_params()
         number = {id(p): k for k, chunk in enumerate(split_list(registered, groups))
                   for p in chunk}
         return [number[id(p)] for p in ordered]
@@ -355,39 +440,37 @@ class _PackedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ submission (hook)
     def _aq_begin(self) -> None:
-        """What the first gradient of a step does before anything is submitted."""
+        """What the first gradient of a step does before anything is submitted: follow a change
+        of what trains or of the world; the handshake when due, with this step's agreement on
+        what trains collected before it or submitted after it (``packed.trainable.agree_first``);
+        otherwise the agreement goes out, collected by :meth:`synchronize`."""
         if self._aq_started is None:
-            self._aq_check_parameters()
+            self._aq_follow_trainable()
             checkpoint.adopt_broadcast(self)
             self._aq_follow_world()
+            if agree_first(handshake_due=not self._aq_checked,
+                           handshaken_in_world=self._aq_handshaken):
+                self._aq_submit_agreement()
+                self._aq_agree()
         if not self._aq_checked:   # one allgather; every rank raises the same error
             self._aq_checked = True
             handshake(self._aq_comm, self._aq, self._aq_layout)
+            self._aq_handshaken = True
         if self._aq_started is None:
+            self._aq_submit_agreement()
             step = self._aq_q.step
             self._aq_started = (step, self._aq.code_bits)
             for bucket in self._aq_buckets:   # this step's coding (wire="auto": per step)
                 bucket.coding = self._aq_wire_setting.coding(step, bucket.index)
 
-    def _aq_check_parameters(self) -> None:
-        """Refuse trainable parameters that appeared after construction (``add_param_group``,
-        or ``requires_grad`` switched on): they have no hook and no place in the exchange, so
-        each rank would apply its own gradient and the replicas would drift apart silently.
-        Raised at the first gradient of a step, before this rank submits anything."""
-        known = self._requires_update
-        for g, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                if p.requires_grad and p not in known:
-                    name = self._parameter_names.get(p)
-                    what = f"'{name}'" if name else f"of shape {tuple(p.shape)}"
-                    raise RuntimeError(
-                        f"horovod_aq: parameter {what} (param group {g}, position {i}) is "
-                        "trainable but was not when the DistributedOptimizer was built "
-                        "(add_param_group, or requires_grad set to True afterwards): its "
-                        "gradient would not be averaged and the ranks would diverge. Build the "
-                        "DistributedOptimizer after adding or unfreezing parameters (wrap the "
-                        "local optimizer again, on every rank), or leave them trainable from "
-                        "the start")
+    def _aq_submit_agreement(self) -> None:
+        """This step's agreement on what trains (one small allgather, once per step): collected
+        by :meth:`_aq_agree` before any gradient of the step is waited for."""
+        if self._aq_agreement is not None or not self._aq_hooks:
+            return
+        row = torch.from_numpy(agreement_row(self._aq_trainable, self._aq_layout)).view(1, -1)
+        self._aq_agreement = allgather_async(row, name=self._aq_agreement_name,
+                                             process_set=self.process_set)
 
     def _allreduce_grad_async(self, p: torch.Tensor):
         absent = p.grad is None
@@ -478,11 +561,17 @@ class _PackedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ end of step
     def synchronize(self) -> None:
-        if self._aq_started is None:
+        if self._aq_started is None and self._aq_hooks:
+            self._aq_begin()   # no hook ran this step: plan before the missing gradients go
+        elif self._aq_started is None:
             checkpoint.adopt_broadcast(self)
         self._aq_skip = False
         self._aq_error = None
-        _HorovodOptimizer.synchronize(self)
+        try:
+            self._aq_agree()   # first: a rank that changed alone must not leave others waiting
+            _HorovodOptimizer.synchronize(self)
+        finally:
+            self._aq_agreement = None
         if self._aq_error is not None:   # after every bucket finished (_aq_result)
             error, self._aq_error = self._aq_error, None
             self._aq_submitted, self._aq_started = False, None   # the step did not happen
