@@ -812,6 +812,7 @@ def test_auto_wire_measures_decides_alike_switches_and_keeps_its_decision(result
         assert np.isfinite(r["resumed_losses"]).all()
 
 
+@pytest.mark.reads("trainable_changes")
 def test_unfreezing_under_ddp_needs_a_rebuild_and_freezing_find_unused(results):
     ranks = _get(results, "trainable_changes")
     first, head, body = ranks[0]["params"], "6.", "0."   # params after each phase
