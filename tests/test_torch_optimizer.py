@@ -833,6 +833,7 @@ def _assert_ecq_encoded(r, table, alpha, beta, steps=3):
             h = np.float32(beta) * h + (g - codec.decode(payload, table))
 
 
+@pytest.mark.reads("ecq_packed")
 def test_ecq_on_the_packed_path(launch):
     results = _get(launch, ecq_packed)
     table = _table(results[0])
@@ -842,6 +843,7 @@ def test_ecq_on_the_packed_path(launch):
         _assert_ecq_encoded(r, table, alpha=0.3, beta=0.8)
 
 
+@pytest.mark.reads("ef_auto_two_bits")
 def test_auto_error_feedback_trains_with_memory_at_two_bits(launch):
     """docs/quantizers.md §5.9: fails if the default stopped adding error feedback at 2 bits."""
     results = _get(launch, ef_auto_two_bits)
