@@ -295,20 +295,17 @@ def dqsgd_bits_agree(steps: int = 25):
         r.bits for r in opt.telemetry.history]}
 
 
-def ecq_packed():
-    """ECQ-SGD on the packed path: each rank encodes g + α·h and keeps h ← β·h + (g − g̃)."""
-    torch, hvd = init_torch()
+def _three_recorded_steps(torch, hvd, comp, **kwargs):
+    """Three allgather steps (lr 0) of the tiny model with ``comp``: the optimizer, its
+    EncodeRecorder, and each step's local gradients (of a fresh reference model)."""
     import torch.nn.functional as F
 
-    import horovod_aq
     import horovod_aq.torch as aqt
 
     model = tiny_model(torch, 0)
-    comp = horovod_aq.ErrorFeedback(horovod_aq.QSGD(bits=2, bucket_size=BUCKET, seed=7),
-                                    alpha=0.3, beta=0.8)
     opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                    model.named_parameters(), comp, exchange="allgather",
-                                   fusion_bytes=FUSION_BYTES)
+                                   fusion_bytes=FUSION_BYTES, **kwargs)
     rec = EncodeRecorder(opt.wire)
     grads = []
     for step in range(3):
@@ -319,6 +316,18 @@ def ecq_packed():
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+    return opt, rec, grads
+
+
+def ecq_packed():
+    """ECQ-SGD on the packed path: each rank encodes g + α·h and keeps h ← β·h + (g − g̃)."""
+    torch, hvd = init_torch()
+
+    import horovod_aq
+
+    comp = horovod_aq.ErrorFeedback(horovod_aq.QSGD(bits=2, bucket_size=BUCKET, seed=7),
+                                    alpha=0.3, beta=0.8)
+    opt, rec, grads = _three_recorded_steps(torch, hvd, comp)
     state = opt.state_dict()["horovod_aq"]
     return {"entries": rec.entries, "buckets": opt.buckets, "local": grads,
             "levels": comp.table.levels, "version": comp.table.version,
@@ -332,28 +341,13 @@ def ef_auto_two_bits():
     ErrorFeedback(ALQ) (each rank encodes g + α·h, the memory is non-zero, in telemetry and in
     the checkpoint); with error_feedback=False the same quantizer is sent plain."""
     torch, hvd = init_torch()
-    import torch.nn.functional as F
 
     import horovod_aq
-    import horovod_aq.torch as aqt
 
     out = {}
     for label, kwargs in (("auto", {}), ("off", {"error_feedback": False})):
-        model = tiny_model(torch, 0)
         comp = horovod_aq.ALQ(bits=2, bucket_size=BUCKET, seed=7, schedule="0")
-        opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
-                                       model.named_parameters(), comp, exchange="allgather",
-                                       fusion_bytes=FUSION_BYTES, **kwargs)
-        rec = EncodeRecorder(opt.wire)
-        grads = []
-        for step in range(3):
-            x, y = _batch(torch, hvd.rank(), step=step)
-            ref = tiny_model(torch, 0)
-            F.cross_entropy(ref(x), y).backward()
-            grads.append({n: p.grad.numpy().copy() for n, p in ref.named_parameters()})
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+        opt, rec, grads = _three_recorded_steps(torch, hvd, comp, **kwargs)
         used = opt.compression
         memory = used.error_memory
         state = opt.state_dict()["horovod_aq"]
