@@ -1,6 +1,7 @@
 # horovod_aq — the two commands README.md starts with, and a few more.
 #   make demo   set up what is missing, then train the PyTorch example on 2 local ranks, fp32
-#               and ALQ 3-bit from one seed; prints both accuracies and the byte ratio
+#               and ALQ 3-bit from the same seeds (0, 1, 2); prints the mean accuracies, the gap
+#               and the byte ratio
 #   make test   set up what is missing, then run the test suite without the slow matrix
 #   make test-slow  the slow matrix (pytest -m slow: second controllers and world sizes, the
 #               benchmarks' quick runs, doctor --full); CI runs both

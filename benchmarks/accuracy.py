@@ -182,7 +182,37 @@ def train_config(label: str, method: str, bits: int, seed: int, epochs: float, l
             "bytes_fp32_per_step": totals["bytes_fp32"] / max(1, totals["steps"]),
             "bucket_size": comp.bucket_size if comp.quantizes else None,
             "norm": comp.norm if comp.quantizes else None,
-            "table_version": comp.table.version if comp.quantizes else None}
+            "table_version": comp.table.version if comp.quantizes else None,
+            "exchange": exchange_of(opt) if comp.quantizes else None}
+
+
+def exchange_of(opt) -> str:
+    """The buckets' exchange modes and codings at the end of a run, e.g. "two_phase/fixed +
+    allgather/fixed". ``exchange="auto"`` and ``wire="auto"`` decide them from timings measured
+    in the run (docs/protocol.md §5.5), so the bytes sent can differ between runs of one
+    configuration on a loaded machine."""
+    decision = opt.autowire.decision
+    if decision is not None and decision.decided:
+        picked = [f"{c.mode}/{c.coding}" for c in decision.choices]
+    else:
+        picked = [f"{mode}/{opt.autowire.wire if opt.autowire.wire != 'auto' else 'fixed'}"
+                  for _, _, mode, _ in opt.buckets]
+    counts: dict[str, int] = {}
+    for key in picked:
+        counts[key] = counts.get(key, 0) + 1
+    return " + ".join(f"{n}× {k}" if n > 1 else k for k, n in counts.items())
+
+
+def exchanges(runs: list[dict]) -> str:
+    """The distinct ``exchange_of`` values of ``runs``, with the seeds of each when they
+    differ ("—" without quantized buckets; "not recorded" for runs from before the field)."""
+    seeds: dict[str, list[int]] = {}
+    for r in runs:
+        key = r.get("exchange", "not recorded") or "—"
+        seeds.setdefault(key, []).append(r["seed"])
+    if len(seeds) == 1:
+        return next(iter(seeds))
+    return "; ".join(f"{k} (seed {', '.join(map(str, v))})" for k, v in seeds.items())
 
 
 def _slug(label: str) -> str:
@@ -311,13 +341,14 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]], wall: float
         rows.append([label, fmt([r["test_acc"] for r in runs], 2, 100),
                      fmt(paired, 2, 100) if label != "fp32" and paired else "—",
                      fmt([r["test_loss"] for r in runs], 4),
-                     f"{bits:.3f}", f"{sent / 1e6:.3f}", ratio,
+                     f"{bits:.3f}", f"{sent / 1e6:.3f}", ratio, exchanges(runs),
                      f"{diverged}/{len(runs)}" if diverged else "0",
                      ", ".join(str(r["seed"]) for r in runs),
                      f"{statistics.fmean(r['seconds'] for r in runs):.0f}"])
     table = report.markdown_table(
         ["configuration", "test accuracy (%)", "minus fp32, paired by seed (pt)", "test loss",
-         "bits/coordinate", "MB sent/rank/step", "bytes vs fp32", "diverged", "seeds",
+         "bits/coordinate", "MB sent/rank/step", "bytes vs fp32", "buckets: exchange/coding",
+         "diverged", "seeds",
          "s per run"], rows)
     fig = report.figure_path(args.report, quick=args.quick)
     plot(results, fig)
@@ -345,7 +376,11 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]], wall: float
                      "report's .json; the command and wall time above are this invocation's, "
                      "s per run is each row's own")
     body = (table + "\n\nbits/coordinate: payload bits per quantized coordinate (codes + fp32 "
-            "norms + header); bytes vs fp32: telemetry bytes sent per rank per step ÷ fp32's.\n"
+            "norms + header); bytes vs fp32: telemetry bytes sent per rank per step ÷ fp32's; "
+            "buckets: each bucket's exchange and coding at the end of the run (exchange='auto' "
+            "and wire='auto' decide them from timings measured in the run, so a loaded machine "
+            "can change them: at 4 ranks an allgather sends 3 payloads per rank, the two-phase "
+            "exchange 1.5).\n"
             f"\n![test accuracy per epoch]({fig.name})\n")
     failures = [f"{lb} seed {r['seed']}: {r['diverged']}" for lb, runs in results.items()
                 for r in runs if r["diverged"]]
