@@ -21,7 +21,9 @@ from the last ``state.commit()``. The worker that leaves ends the way Horovod 0.
 What carries the compressor across a change of world: ``import horovod_aq.torch.elastic`` and
 ``hvd.elastic.TorchState(model, optimizer, compression=comp, ...)``. At every sync rank 0's
 table, version and step (and the weights and optimizer state, as Horovod does) go to every
-rank; each rank keeps its own random stream (docs/horovod_compat.md § Elastic Horovod).
+rank; each rank keeps its own random stream (docs/horovod_compat.md § Elastic Horovod). With the
+packed optimizer the state holds ``optimizer.compression``, the object it quantizes with (at
+<= 2 bits the ``ErrorFeedback`` that ``error_feedback="auto"`` puts around ``comp``).
 
 The global batch (``--global-batch``, default 96) is the same at every world size and split
 evenly over the ranks, so a run that resizes sees the same samples in the same steps as one that
@@ -132,6 +134,9 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         opt = aqt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                        compression=comp, exchange=args.exchange)
+        # What the optimizer quantizes with: at <= 2 bits error_feedback="auto" wraps comp in
+        # ErrorFeedback, whose memory TorchState must then carry (save/restore) as well.
+        comp = opt.compression
     # (world size, table version) of every step and the resize plan's progress: plain
     # objects, synced from rank 0
     state = hvd.elastic.TorchState(model, opt, compression=comp, epoch=0, batch=0, steps=[],
@@ -210,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"steps": [list(s) for s in state.steps], "test_acc": acc, "test_loss": loss,
               "fingerprints": prints, "table_version": version(), "compressor_step": comp.step,
               "ranks": hvd.size(), "compression": args.compression, "bits": args.bits,
-              "exchange": args.exchange, "seed": args.seed}
+              "exchange": args.exchange, "seed": args.seed,
+              "error_feedback": isinstance(comp, horovod_aq.ErrorFeedback)}
     if hvd.rank() == 0:
         sizes = [s for s, _ in state.steps]
         changes = [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]]

@@ -138,7 +138,7 @@ def test_compressor_state_handler_restores_and_syncs_from_rank_0():
 
 
 # ---------------------------------------------------------------------- the example, elastic
-def _elastic_example(tmp_path, exchange: str, env: dict | None = None
+def _elastic_example(tmp_path, exchange: str, env: dict | None = None, bits: int = 3
                      ) -> tuple[dict, ElasticRun]:
     """Run the example under elastic horovodrun; its metrics.json (rank 0) and the launch."""
     hosts = tmp_path / "hosts"
@@ -148,7 +148,7 @@ def _elastic_example(tmp_path, exchange: str, env: dict | None = None
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     out = tmp_path / "out"
     run = run_elastic(
-        [sys.executable, EXAMPLE, "--exchange", exchange, "--compression", "alq", "--bits", "3",
+        [sys.executable, EXAMPLE, "--exchange", exchange, "--compression", "alq", "--bits", str(bits),
          "--epochs", str(EPOCHS), "--global-batch", str(GLOBAL_BATCH), "--lr", str(LR),
          "--seed", str(SEED), "--schedule", SCHEDULE, "--resize", RESIZE,
          "--hosts-file", str(hosts), "--out", str(out)],
@@ -222,8 +222,11 @@ def test_stock_path_survives_the_world_growing_and_shrinking(tmp_path, fixed_siz
 def test_packed_optimizer_survives_the_world_growing_and_shrinking(tmp_path,
                                                                   fixed_size_fp32_accuracy):
     """The packed optimizer re-plans its exchange at the first step in every new world (one
-    info line per re-plan; the handshake agrees again) and trains on."""
-    metrics, run = _elastic_example(tmp_path, "two_phase")
+    info line per re-plan; the handshake agrees again) and trains on. At 2 bits, so that
+    ``error_feedback="auto"`` puts ErrorFeedback around ALQ and TorchState carries the wrapper
+    (``optimizer.compression``) with its error memory through commits, syncs and re-plans."""
+    metrics, run = _elastic_example(tmp_path, "two_phase", bits=2)
+    assert metrics["error_feedback"] is True, metrics
     _check_elastic_run(metrics, run.tail())
     # one info line per re-plan, on each rank that was in the world before the change (the
     # joining worker is built in the new world and has nothing to re-plan)

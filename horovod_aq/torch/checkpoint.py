@@ -5,6 +5,8 @@
   ``"horovod_aq"``; with error feedback and more than one rank it gathers every rank's memory
   (collective, through the optimizer's one ``Comm``), and the wire setting's state under
   :data:`WIRE_KEY` (``wire="auto"``: the agreed decision, so a resumed job keeps it).
+  :func:`local_state_dict` is the same with this rank's own memory and no collective (what
+  elastic Horovod's TorchState saves at every commit, :mod:`horovod_aq.torch.elastic`).
   :func:`load_state_dict` checks everything before it changes anything.
 * Called from ``hvd.broadcast_optimizer_state``, ``state_dict()`` is local on every rank and
   carries the compressor state as the option :data:`BROADCAST_KEY` of the first param group
@@ -114,12 +116,25 @@ def state_dict(opt: Any) -> dict[str, Any]:
     frame = broadcast_frame()
     if frame is not None:
         return broadcast_state_dict(opt, frame)
+    world = opt._aq_ranks if opt._aq_active else 1
+    return _state_dict(opt, lambda comp: collective_state_dict(
+        comp, [(b.name, b.numel) for b in opt._aq_buckets], world, opt._aq_comm.allgather))
+
+
+def local_state_dict(opt: Any) -> dict[str, Any]:
+    """``opt.local_state_dict()``: :func:`state_dict` with this rank's own compressor state (its
+    error memory under ``"memory"``) instead of the gather, so no collective runs; it loads on
+    this rank (``select_memory`` keeps a state without ``"memory_by_rank"`` as it is)."""
+    return _state_dict(opt, lambda comp: comp.state_dict())
+
+
+def _state_dict(opt: Any, compressor_state: Any) -> dict[str, Any]:
+    """The wrapped optimizer's state, ``compressor_state(compressor)`` under
+    :data:`BROADCAST_KEY` and the wire setting's under :data:`WIRE_KEY`."""
     if opt._aq_started is None:
         adopt_broadcast(opt)
     state = super(opt.__class__, opt).state_dict()
-    world = opt._aq_ranks if opt._aq_active else 1
-    state[BROADCAST_KEY] = collective_state_dict(
-        opt._aq, [(b.name, b.numel) for b in opt._aq_buckets], world, opt._aq_comm.allgather)
+    state[BROADCAST_KEY] = compressor_state(opt._aq)
     state[WIRE_KEY] = opt._aq_wire_setting.state_dict()
     return state
 

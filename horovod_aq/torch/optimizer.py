@@ -38,6 +38,7 @@ compressor's state travels from the root in that same call (:mod:`horovod_aq.tor
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import logging
 import os
@@ -116,6 +117,13 @@ class _Bucket(Bucket):
     def present(self) -> list[bool]:
         """Which parameters had a gradient on this rank (the presence mask)."""
         return [p not in self.absent for p in self.params]
+
+
+class PackedOptimizer(abc.ABC):
+    """What ``isinstance`` recognizes every optimizer :func:`DistributedOptimizer` returns as
+    (each is a subclass of the optimizer it wraps, built by :func:`DistributedOptimizer`, and
+    registered here), e.g. for elastic Horovod's state handlers
+    (:mod:`horovod_aq.torch.elastic`)."""
 
 
 class _PackedOptimizer(torch.optim.Optimizer):
@@ -692,6 +700,13 @@ class _PackedOptimizer(torch.optim.Optimizer):
         """
         return checkpoint.state_dict(self)
 
+    def local_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` without the collective: this rank's own compressor state, its
+        error memory included, for :meth:`load_state_dict` on this rank only. Elastic Horovod's
+        ``TorchState`` saves it at every commit and loads it at a restore
+        (:mod:`horovod_aq.torch.elastic`); a checkpoint file needs :meth:`state_dict`."""
+        return checkpoint.local_state_dict(self)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (saved on one rank, loaded on all — or loaded on the root
         only and spread with ``hvd.broadcast_optimizer_state``). Levels, versions and step
@@ -808,7 +823,8 @@ def DistributedOptimizer(
     # this class's collective one (which would deadlock and count a compressor step).
     attrs.update({k: v for k, v in _PackedOptimizer.__dict__.items()
                   if k not in ("__dict__", "__weakref__", "__module__")})
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), attrs)
+    cls = PackedOptimizer.register(
+        type(optimizer.__class__.__name__, (optimizer.__class__,), attrs))
     return cls(optimizer.param_groups, named_parameters, compression,
                backward_passes_per_step=int(backward_passes_per_step), process_set=process_set,
                settings=settings, sparse_as_dense=sparse_as_dense, telemetry=telemetry, op=op,
@@ -817,4 +833,4 @@ def DistributedOptimizer(
 
 
 __all__ = ["BROADCAST_KEY", "ConfigMismatchError", "DEFAULT_FUSION_BYTES", "DistributedOptimizer",
-           "ExchangeStalledError", "JoinedRankError"]
+           "ExchangeStalledError", "JoinedRankError", "PackedOptimizer"]
