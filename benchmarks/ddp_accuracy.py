@@ -21,8 +21,9 @@ weights, which DDP also broadcasts from rank 0):
 
 * ``fp32`` — DDP's own allreduce (no hook), DDP's default buckets;
 * ``ALQ 2b`` / ``ALQ 3b`` — ``horovod_aq.torch.ddp.register(model, horovod_aq.ALQ(bits=b))``
-  (package defaults: bucket 1024, ``exchange="auto"``, L∞ norm at 2 bits, L2 at 3), DDP's
-  default buckets;
+  (package defaults: L∞ buckets of 256, ``exchange="auto"``, ``wire="auto"``; with
+  ``error_feedback=False``, the plain quantizer, where the default would wrap the 2-bit one in
+  ``ErrorFeedback``), DDP's default buckets;
 * ``PowerSGD r=k`` — ``powerSGD_hook.powerSGD_hook`` with ``PowerSGDState(
   matrix_approximation_rank=k, start_powerSGD_iter=2, use_error_feedback=True,
   warm_start=True)`` (PyTorch's defaults otherwise, e.g. ``min_compression_rate=2``). The ranks
