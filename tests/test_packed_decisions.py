@@ -290,6 +290,10 @@ def test_the_agreement_on_what_trains_fails_alike_on_every_rank():
     with pytest.raises(ConfigMismatchError) as again:   # a function of the rows alone
         check_agreement(rows.reshape(-1))
     assert str(again.value) == message
+    with pytest.raises(ConfigMismatchError) as keras:   # the TensorFlow exchange's words
+        check_agreement(rows, "tensorflow")
+    assert "(layer.trainable and compile, the tape's sources)" in str(keras.value)
+    assert str(keras.value).endswith(message.split("step: ", 1)[1].split(":\n", 1)[1])
     assert plan.agreement_name("qsgd.c1234abcd") == "aq.trainable.qsgd.c1234abcd"
     assert waiting.doing("aq.trainable.qsgd.c1") == (
         "agreeing with the other ranks on which parameters train")

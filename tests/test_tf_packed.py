@@ -9,6 +9,8 @@ and the same uniforms (re-drawn from the recorded generator state).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -1052,6 +1054,174 @@ def lr_callbacks():
     return out
 
 
+class AgreementCounter:
+    """Count, per rank, every run of the per-step agreement on what trains (the allgathers
+    named ``aq.trainable.*``), through Horovod's public ``allgather``: each one gets a
+    ``tf.py_function`` tick that runs with it, eagerly and in every graph run. Install it
+    before the exchange traces; ``with`` restores Horovod's function."""
+
+    def __init__(self, tf, hvd):
+        self.tf, self.hvd, self.names = tf, hvd, []
+        self._original = hvd.allgather
+
+    def __enter__(self):
+        tf, original = self.tf, self._original
+
+        def allgather(tensor, name=None, **kwargs):
+            out = original(tensor, name=name, **kwargs)
+            if name is None or not name.startswith("aq.trainable."):
+                return out
+
+            def tick():
+                self.names.append(name)
+                return True
+
+            with tf.control_dependencies([tf.py_function(tick, [], tf.bool)]):
+                return tf.identity(out)
+
+        self.hvd.allgather = allgather
+        return self
+
+    def __exit__(self, *exc):
+        self.hvd.allgather = self._original
+        return False
+
+    @property
+    def count(self):
+        return len(self.names)
+
+
+def _fine_tune_data(hvd, n=64):
+    rng = np.random.default_rng(50 + hvd.rank())
+    return rng.standard_normal((n, 20)).astype(np.float32), rng.integers(0, 10, n)
+
+
+def _fine_tune_model(keras):
+    """A 20-32-10 MLP (the same weights on every rank) and its compile arguments."""
+    return _keras_dense_model(keras, seed=9), {
+        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        "jit_compile": False}
+
+
+def change_what_trains():
+    """Fine-tuning on every rank alike (docs/keras.md § Changing what trains): Keras model.fit
+    with the body frozen, then ``trainable = True`` and compile with a new DistributedOptimizer
+    on the same compressor; the tape in eager mode and in a tf.function with a source list that
+    grows. Every step runs exactly one agreement on what trains on every rank, the re-plan's
+    included (collected at trace time, the graph then skips its own)."""
+    tf, hvd = init_tf()
+    import keras
+
+    import horovod_aq.keras as aqk
+    import horovod_aq.tensorflow as aqtf
+
+    out = {}
+    x, y = _fine_tune_data(hvd)
+    with AgreementCounter(tf, hvd) as counter:
+        model, compile_args = _fine_tune_model(keras)
+        body, head = model.layers
+        comp = _compressor("alq", schedule="0,10,0")    # refits at steps 0 and 10 (the 2nd fit)
+        body.trainable = False
+        opt = aqk.DistributedOptimizer(keras.optimizers.SGD(0.05), comp,
+                                       fusion_bytes=FUSION_BYTES)
+        model.compile(optimizer=opt, **compile_args)
+        w0 = _weights_of(model)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)   # 8 steps
+        out["frozen"] = {"weights": _weights_of(model), "steps": comp.step,
+                         "version": comp.table.version, "agreements": counter.count,
+                         "buckets": [names for _, _, _, names in opt.buckets]}
+        body.trainable = True
+        opt2 = aqk.DistributedOptimizer(keras.optimizers.SGD(0.05), comp,
+                                        fusion_bytes=FUSION_BYTES)
+        model.compile(optimizer=opt2, **compile_args)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        out["fit"] = {"before": w0, "weights": _weights_of(model), "steps": comp.step,
+                      "version": comp.table.version, "agreements": counter.count,
+                      "same_exchange": opt2.exchange is opt.exchange,
+                      "buckets": [names for _, _, _, names in opt2.buckets],
+                      "records": len(opt2.telemetry.history)}
+        # the tape: the first two steps with w2, b2, w3 only, then with all five variables
+        for mode in ("eager", "function"):
+            v = _variables(tf, seed=3)
+            comp = _compressor("qsgd")
+            start = counter.count
+
+            def grads(step, sources, comp=comp, v=v):
+                with tf.GradientTape() as tape:
+                    loss = _loss(tf, v, hvd.rank(), step)
+                tape = aqtf.DistributedGradientTape(tape, comp, fusion_bytes=FUSION_BYTES)
+                return tape.gradient(loss, [v[k] for k in sources])
+
+            step_fn = grads if mode == "eager" else tf.function(grads)
+            seen, counts = [], []
+            for step in range(4):
+                sources = ("w2", "b2", "w3") if step < 2 else tuple(v)
+                seen.append([g.numpy() for g in step_fn(step, sources)])
+                counts.append(counter.count - start)
+            out[mode] = {"grads": seen, "agreements": counts, "steps": comp.step}
+    return out
+
+
+def _agreement_error(tf, exc, started):
+    """(type, the check_agreement text, seconds) of the error a rank raised."""
+    from horovod_aq.tensorflow.checks import translate_error
+
+    text = str(translate_error(exc) if isinstance(exc, tf.errors.OpError) else exc)
+    return {"type": type(exc).__name__, "text": text, "seconds": time.monotonic() - started}
+
+
+def tape_one_rank_changes():
+    """The eager tape: only rank 0 adds sources at step 2. Rank 0 meets rank 1 in the
+    agreement before its handshake; every rank raises the same ConfigMismatchError (rank 1's
+    from its graph, translated) and no collective is left waiting."""
+    tf, hvd = init_tf()
+    import horovod_aq.tensorflow as aqtf
+
+    v = _variables(tf, seed=4)
+    comp = _compressor("qsgd")
+    started = time.monotonic()
+    try:
+        for step in range(4):
+            sources = ("w2", "b2", "w3") if step < 2 or hvd.rank() else tuple(v)
+            with tf.GradientTape() as tape:
+                loss = _loss(tf, v, hvd.rank(), step)
+            tape = aqtf.DistributedGradientTape(tape, comp, fusion_bytes=FUSION_BYTES)
+            tape.gradient(loss, [v[k] for k in sources])
+            started = time.monotonic()
+    except Exception as exc:  # noqa: BLE001
+        return _agreement_error(tf, exc, started)
+    return {"type": "no error"}
+
+
+def keras_one_rank_changes():
+    """Keras model.fit: only rank 0 unfreezes the body and compiles with a new optimizer.
+    Rank 0 raises ConfigMismatchError at the trace of its new train function, rank 1 the same
+    text from its graph (InvalidArgumentError), neither waits (kept last in its launch)."""
+    tf, hvd = init_tf()
+    import keras
+
+    import horovod_aq.keras as aqk
+
+    x, y = _fine_tune_data(hvd, n=32)
+    model, compile_args = _fine_tune_model(keras)
+    comp = _compressor("qsgd")
+    model.layers[0].trainable = False
+    model.compile(optimizer=aqk.DistributedOptimizer(keras.optimizers.SGD(0.05), comp,
+                                                     fusion_bytes=FUSION_BYTES), **compile_args)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    if hvd.rank() == 0:
+        model.layers[0].trainable = True
+        model.compile(optimizer=aqk.DistributedOptimizer(keras.optimizers.SGD(0.05), comp,
+                                                         fusion_bytes=FUSION_BYTES),
+                      **compile_args)
+    started = time.monotonic()
+    try:
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    except Exception as exc:  # noqa: BLE001
+        return _agreement_error(tf, exc, started)
+    return {"type": "no error"}
+
+
 #: One seed of ALQ training per path: it trains, refits, and the replicas agree. The 3-seed
 #: comparison with fp32 (the mean test loss) runs in the slow matrix (SEED_CHECKS).
 ONE_SEED = [(check, {"seeds": TRAIN_SEEDS[:1]}) for check in (keras_fit_alq, custom_loop_alq)]
@@ -1072,9 +1242,13 @@ CHECKS = {"gloo": ALL_CHECKS, "mpi": MPI_CHECKS}
 SEED_CHECKS = {"gloo": [keras_fit_fp32, keras_fit_alq, custom_loop_fp32, custom_loop_alq]}
 #: Horovod's Keras/tape features on Keras 3, in their own launch (``-k features``); under MPI the
 #: ones whose collectives run in a condition (the loss-scale decision, the aggregated exchange).
+#: The checks where one rank changes what trains alone come last: they end in an error on every
+#: rank (no collective is left waiting, but nothing after them should depend on it).
 FEATURE_CHECKS = {"gloo": [mixed_precision_overflow, embedding_text_model, gradient_aggregation,
-                           optimizer_copies, local_sources, lr_callbacks],
-                  "mpi": [mixed_precision_overflow, gradient_aggregation]}
+                           optimizer_copies, local_sources, lr_callbacks, change_what_trains,
+                           tape_one_rank_changes, keras_one_rank_changes],
+                  "mpi": [mixed_precision_overflow, gradient_aggregation, change_what_trains,
+                          keras_one_rank_changes]}
 
 
 #: fixture -> controller -> the checks its launch runs (tests/launches.py)
@@ -1588,3 +1762,53 @@ def test_keras_fit_on_the_entropy_wire(launch):
         assert coded["totals"]["bytes_sent"] < fixed["totals"]["bytes_sent"]
         assert max(coded["per_step"]) <= max(fixed["per_step"])
     _same_weights(results[0]["entropy"]["weights"], results[1]["entropy"]["weights"])
+
+
+@pytest.mark.reads("change_what_trains")
+def test_features_fine_tuning_trains_the_new_set_with_one_agreement_per_step(features):
+    r0, r1 = _get(features, change_what_trains)
+    for r in (r0, r1):
+        frozen, fit = r["frozen"], r["fit"]
+        _same_weights(frozen["weights"][:2], fit["before"][:2])      # the body stayed frozen
+        assert not np.array_equal(frozen["weights"][2], fit["before"][2])   # the head trained
+        assert not np.array_equal(fit["weights"][0], frozen["weights"][0])  # then the body
+        assert fit["same_exchange"]       # the compressor's exchange plans the new set
+        assert sum(map(len, frozen["buckets"])) == 2 and sum(map(len, fit["buckets"])) == 4
+        # the table goes on: steps 0-7 and 8-15, refits at 0 and at 10 (in the second fit)
+        assert (frozen["steps"], frozen["version"]) == (8, 1)
+        assert (fit["steps"], fit["version"], fit["records"]) == (16, 2, 16)
+        # one agreement per step, the re-plan's (collected before its handshake) included
+        assert frozen["agreements"] == 8 and fit["agreements"] == 16
+        for mode in ("eager", "function"):
+            assert r[mode]["agreements"] == [1, 2, 3, 4] and r[mode]["steps"] == 4
+            assert [len(g) for g in r[mode]["grads"]] == [3, 3, 5, 5]
+    _same_weights(r0["frozen"]["weights"], r1["frozen"]["weights"])
+    _same_weights(r0["fit"]["weights"], r1["fit"]["weights"])
+    for mode in ("eager", "function"):
+        for a, b in zip(r0[mode]["grads"], r1[mode]["grads"]):
+            _same_weights(a, b)
+
+
+def _assert_agreement_error(results, types, counts):
+    texts = {r["text"] for r in results}
+    assert [r["type"] for r in results] == types, results
+    assert len(texts) == 1, texts     # the same message on every rank
+    text = texts.pop()
+    assert text.startswith("horovod_aq: ranks disagree on which parameters train (layer."
+                           "trainable and compile, the tape's sources) at this step: set "
+                           "trainable and compile with a new optimizer (Keras)"), text
+    for rank, count in enumerate(counts):
+        assert f"rank {rank}: {count} tensors" in text, text
+    assert all(r["seconds"] < 60 for r in results), results
+
+
+@pytest.mark.reads("tape_one_rank_changes")
+def test_features_one_rank_changing_the_tapes_sources_stops_every_rank(features):
+    _assert_agreement_error(_get(features, tape_one_rank_changes),
+                            ["ConfigMismatchError", "ConfigMismatchError"], [5, 3])
+
+
+@pytest.mark.reads("keras_one_rank_changes")
+def test_features_one_rank_recompiling_stops_every_rank(features):
+    _assert_agreement_error(_get(features, keras_one_rank_changes),
+                            ["ConfigMismatchError", "InvalidArgumentError"], [4, 2])

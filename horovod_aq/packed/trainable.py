@@ -16,6 +16,11 @@ is collected before the rank waits for any gradient of the step, and before a ha
 :func:`agree_first` says so; :func:`check_agreement` then raises the same
 :class:`~horovod_aq.packed.protocol.ConfigMismatchError` on every rank.
 
+The TensorFlow exchange (the tape, Keras) makes the same agreement per exchange: Keras plans a new
+layout when it compiles a new optimizer, the tape when it gets other sources; the agreement is
+collected in the traced graph before any bucket collective, and at trace time before a new
+layout's handshake (docs/protocol.md §3.1).
+
 This module imports no framework.
 """
 
@@ -31,9 +36,17 @@ from horovod_aq.packed.protocol import ConfigMismatchError
 
 #: How many parameter names a re-plan's log line or an error lists before "...".
 SHOWN_NAMES = 4
-#: What every rank must do, said by the agreement's error.
-AGREEMENT_REMEDY = ("change requires_grad and call add_param_group identically on every rank, "
-                    "between the same two steps")
+#: What changes what trains, and what every rank must do, said by the agreement's error, by
+#: framework: the PyTorch optimizer, and the TensorFlow exchange (Keras' ``compile`` with a new
+#: optimizer after ``layer.trainable`` changed, or another list of sources given to the tape).
+AGREEMENT_REMEDY = {
+    "torch": ("requires_grad, add_param_group",
+              "change requires_grad and call add_param_group identically on every rank, "
+              "between the same two steps"),
+    "tensorflow": ("layer.trainable and compile, the tape's sources",
+                   "set trainable and compile with a new optimizer (Keras), or pass the same "
+                   "sources to the tape, identically on every rank, between the same two steps"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,17 +116,19 @@ def agree_first(*, handshake_due: bool, handshaken_in_world: bool) -> bool:
     return handshake_due and handshaken_in_world
 
 
-def check_agreement(gathered: np.ndarray) -> None:
+def check_agreement(gathered: np.ndarray, framework: str = "torch") -> None:
     """Raise :class:`ConfigMismatchError` unless every rank's row of ``gathered`` is the same;
-    the message depends only on the rows, so every rank raises the same one."""
+    the message depends only on the rows (and the ``framework``'s words,
+    :data:`AGREEMENT_REMEDY`), so every rank raises the same one."""
     rows = np.asarray(gathered, dtype=np.int64).reshape(-1, 4)
     if (rows == rows[0]).all():
         return
+    changes, remedy = AGREEMENT_REMEDY[framework]
     lines = [f"rank {r}: {int(count)} tensors, {int(numel):,} elements (set {int(digest):08x}), "
              f"layout {int(layout):08x}" for r, (digest, count, numel, layout) in enumerate(rows)]
     raise ConfigMismatchError(
-        "horovod_aq: ranks disagree on which parameters train (requires_grad, add_param_group) "
-        f"at this step: {AGREEMENT_REMEDY}:\n  " + "\n  ".join(lines))
+        f"horovod_aq: ranks disagree on which parameters train ({changes}) at this step: "
+        f"{remedy}:\n  " + "\n  ".join(lines))
 
 
 __all__ = ["AGREEMENT_REMEDY", "Trainable", "agree_first", "agreement_row", "check_agreement",

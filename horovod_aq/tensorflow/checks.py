@@ -32,6 +32,7 @@ from horovod_aq.codec import (
     PayloadError,
 )
 from horovod_aq.codec.rows import tag_rank
+from horovod_aq.packed.protocol import ConfigMismatchError
 
 __all__ = ["checksum_check", "data_check", "decoder_header_check", "encoder_header_check",
            "field_value", "translate_error", "values_check"]
@@ -201,9 +202,13 @@ def data_check(rows: tf.Tensor, levels: tf.Tensor, ok: tf.Tensor, average: bool)
 def translate_error(err: tf.errors.InvalidArgumentError) -> Exception:
     """A graph assertion of the exchange as the eager API's exception (PayloadError/ValueError).
 
-    Also a ``PayloadError`` or ``NonFiniteGradientError`` raised on the host inside the graph
-    (``tf.numpy_function``: the data checks, the fused decoder, the receive decision of
-    ``horovod_aq.packed.receive``), whose message TensorFlow wraps as "PayloadError: …"."""
+    Also a ``PayloadError``, ``NonFiniteGradientError`` or ``ConfigMismatchError`` raised on the
+    host inside the graph (``tf.numpy_function``: the data checks, the fused decoder, the receive
+    decision of ``horovod_aq.packed.receive``, the agreement on what trains of
+    ``horovod_aq.packed.trainable``), whose message TensorFlow wraps as "PayloadError: …"."""
+    raised = re.search(r"ConfigMismatchError: (.*?)\n(?:Traceback|\n)", err.message, re.S)
+    if raised is not None:   # several lines, one per rank
+        return ConfigMismatchError(raised.group(1).strip())
     raised = re.search(r"PayloadError: ([^\n]*)", err.message)
     if raised is not None:
         out = PayloadError(raised.group(1).strip())

@@ -24,10 +24,12 @@ read them (:mod:`horovod_aq.tensorflow.entropy`). The codes are those of the fix
 averages are bitwise the same. Telemetry counts the bytes really sent (``packed.send.
 sent_bytes``, summed in-graph into counters).
 
-The graph is built in stages, one method each (docs/protocol.md §13): (1) encode and submit
-every first collective and the small allreduces; (2a) check and decode every two-phase chunk;
-(2b) re-encode the averaged chunks and allgather them; (3) check and decode everything; then the
-step end (error-feedback update, DQSGD aggregate, counters, refit when due). How the stages keep
+The graph is built in stages, one method each (docs/protocol.md §13): (0) the per-step agreement
+on what trains (``packed.trainable``, docs/protocol.md §3.1: one small allgather and its check,
+which every collective of the exchange waits for); (1) encode and submit every first collective
+and the small allreduces; (2a) check and decode every two-phase chunk; (2b) re-encode the
+averaged chunks and allgather them; (3) check and decode everything; then the step end
+(error-feedback update, DQSGD aggregate, counters, refit when due). How the stages keep
 a failing check from leaving a collective submitted on some ranks only, how DQSGD switches
 widths and ECQ-SGD updates memory without retracing: docs/protocol.md §13. The payload ops are
 :mod:`horovod_aq.tensorflow.payloads`; local aggregation and local sources around the exchange
@@ -70,6 +72,7 @@ from horovod_aq.packed.protocol import (
 )
 from horovod_aq.packed.receive import receive_outcome
 from horovod_aq.packed.send import reencode_part, sent_bytes, sent_values
+from horovod_aq.packed.trainable import Trainable, agree_first, agreement_row, check_agreement
 from horovod_aq.telemetry import StepRecord, Telemetry
 from horovod_aq.tensorflow.checks import translate_error
 from horovod_aq.tensorflow.comm import comm_for
@@ -98,6 +101,8 @@ class _Plan:
     fns: dict = dataclasses.field(default_factory=dict)  # eager entries by "raise" flag
     checked: bool = False
     content: str = ""                # the layout's content key (bucket and allreduce names)
+    agreement: np.ndarray = dataclasses.field(   # this rank's row of the per-step agreement
+        default_factory=lambda: np.zeros(4, np.int64))
     traffic: dict[int, Traffic] = dataclasses.field(default_factory=dict)  # by code width
 
 
@@ -119,6 +124,7 @@ class _Trace:
     plan: _Plan
     tensors: list[tf.Tensor]
     raise_nonfinite: bool
+    agreed: tf.Tensor                # the step's agreement passed: every collective waits for it
     first: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)   # stage 1 output
     splits: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)  # received (a2a)
     sent: list[tuple[tf.Tensor, tf.Tensor]] = dataclasses.field(default_factory=list)  # bytes
@@ -162,6 +168,15 @@ class PackedExchange:
         self._state: TFState = tf_state(compression)
         self._plans: dict[tuple, _Plan] = {}
         self._plan_list: list[_Plan] = []
+        #: The per-step agreement on what trains (``packed.trainable``): its allgather's name is
+        #: fixed by the first layout this exchange plans (:meth:`_make_plan`), so no later
+        #: layout renames it; whether a handshake passed (``agree_first``); and 1 while the
+        #: agreement of the next exchange that runs was collected at trace time (the graph then
+        #: skips its own: one agreement per step).
+        self._agreement_name: str | None = None
+        self._agreement_fn: Callable[[tf.Tensor], tf.Tensor] | None = None
+        self._handshaken = False
+        self._agreed = state_variable(np.int64(0), name=f"aq_agreed_{self.label}")
         self._calls = state_variable(np.int64(0), name=f"aq_calls_{self.label}")
         self._plan_id = state_variable(np.int64(-1), name=f"aq_plan_{self.label}")
         self._skipped = state_variable(np.int64(0), name=f"aq_skipped_{self.label}")
@@ -252,6 +267,8 @@ class PackedExchange:
         if plan is None:
             plan = self._make_plan(key, labels, shapes)
         if not plan.checked:
+            if agree_first(handshake_due=True, handshaken_in_world=self._handshaken):
+                self._agree_now(plan)
             self._handshake(plan)
         tensors = [dense[i] for i in present]
         if tf.executing_eagerly():
@@ -379,6 +396,9 @@ class PackedExchange:
         plan = _Plan(len(self._plan_list), source_names, shapes, buckets, small,
                      layout_digest(buckets, [source_names[i] for i in small], self.coding), {})
         plan.content = content
+        plan.agreement = agreement_row(Trainable.of(zip(source_names, numels)), plan.layout)
+        if self._agreement_name is None:   # what the exchange was first used with
+            self._agreement_name = names.agreement_name(content)
         for b in buckets:
             offset = 0
             for m in b.members:
@@ -393,7 +413,44 @@ class PackedExchange:
         over this set's one Comm; eager, once per layout)."""
         with tf.init_scope():
             handshake(comm_for(self.process_set), self.compression, plan.layout)
-        plan.checked = True
+        plan.checked = self._handshaken = True
+
+    # ------------------------------------------------------------------ what trains
+    def _gather_agreement(self, row: tf.Tensor) -> tf.Tensor:
+        """The agreement's allgather ([1, 4] int64 per rank): the same op, named alike, in the
+        graph of every exchange and at trace time (:meth:`_agree_now`)."""
+        return hvd.allgather(row, name=self._agreement_name, ignore_name_scope=True,
+                             process_set=self.process_set)
+
+    def _agree_now(self, plan: _Plan) -> None:
+        """This step's agreement on what trains, collected before ``plan``'s handshake (trace
+        time, eager; ``packed.trainable.agree_first``): a rank that planned a new layout alone
+        meets here the others' agreement in their graph, and every rank raises the same
+        ConfigMismatchError. Passed, it is the step's: the graph that runs next skips its own."""
+        with tf.init_scope():
+            if self._agreement_fn is None:
+                self._agreement_fn = tf.function(self._gather_agreement, autograph=False)
+            gathered = self._agreement_fn(tf.constant(plan.agreement[None]))
+            check_agreement(gathered.numpy(), "tensorflow")
+            self._agreed.assign(1)
+
+    def _agreement(self, plan: _Plan) -> tf.Tensor:
+        """The graph's agreement on what trains: one allgather of ``plan``'s row, then
+        ``packed.trainable.check_agreement`` on the host (the same error on every rank, raised
+        before any collective of the exchange is submitted) — unless it was collected at trace
+        time for this run (:meth:`_agree_now`). No gradient flows in, so it can run while the
+        backward pass computes. Returns the op every collective of the exchange waits for."""
+        row = tf.constant(plan.agreement[None])
+
+        def gather() -> tf.Tensor:
+            rows = self._gather_agreement(row)
+            return tf.reshape(tf.numpy_function(_check_agreement, [rows], tf.bool,
+                                                stateful=True, name="aq_check_agreement"), [])
+
+        owed = self._agreed.read_value()
+        agreed = tf.cond(owed > 0, lambda: tf.constant(True), gather)
+        with tf.control_dependencies([agreed]):
+            return self._agreed.assign(0, read_value=False)
 
     # ------------------------------------------------------------------ graph
     def _slot(self, numel: int, bucket: str) -> StatsSlot | None:
@@ -404,7 +461,8 @@ class PackedExchange:
         """The exchange graph of one layout, stage by stage (module docstring). Returns the
         averaged tensors and whether a rank sent non-finite markers (``raise_nonfinite`` False,
         nonfinite="skip": the affected tensors are NaN)."""
-        t = _Trace(plan, tensors, raise_nonfinite, skipped=[tf.constant(False)])
+        t = _Trace(plan, tensors, raise_nonfinite, self._agreement(plan),
+                   skipped=[tf.constant(False)])
         self._submit_stage(t)
         self._decode_chunks_stage(t)
         self._reencode_stage(t)
@@ -432,30 +490,30 @@ class PackedExchange:
                                         record=None if slot is None else slot.record)
             sizes = [tf.size(p, out_type=tf.int64) for p in sent]
             t.sent.append(sent_bytes(b.mode, sizes, ps.rank(), P))
-            if b.mode == "allgather":   # any first dimension per rank (entropy: delimited)
-                numel = b.numel
-                t.first[b.index] = hvd.allgather(sent[0], name=names.allgather_name(b.name),
-                                                 ignore_name_scope=True, process_set=ps)
-            else:
-                numel = chunk_numel(b.numel, P, comp.bucket_size)
-                payloads = tf.concat(sent, axis=0)
-                name = names.alltoall_name(b.name)
-                if self._ops.variable:   # the chunks with their sizes; received splits back
+            numel = b.numel if b.mode == "allgather" else chunk_numel(b.numel, P,
+                                                                      comp.bucket_size)
+            with tf.control_dependencies([t.agreed]):   # no collective before the agreement
+                if b.mode == "allgather":   # any first dimension per rank (entropy: delimited)
+                    t.first[b.index] = hvd.allgather(sent[0], name=names.allgather_name(b.name),
+                                                     ignore_name_scope=True, process_set=ps)
+                elif self._ops.variable:   # the chunks with their sizes; received splits back
                     t.first[b.index], t.splits[b.index] = hvd.alltoall(
-                        payloads, splits=tf.cast(tf.stack(sizes), tf.int32), name=name,
-                        ignore_name_scope=True,
+                        tf.concat(sent, axis=0), splits=tf.cast(tf.stack(sizes), tf.int32),
+                        name=names.alltoall_name(b.name), ignore_name_scope=True,
                         process_set=ps)
                 else:
-                    t.first[b.index] = hvd.alltoall(payloads, name=name,
-                                                    ignore_name_scope=True, process_set=ps)
+                    t.first[b.index] = hvd.alltoall(
+                        tf.concat(sent, axis=0), name=names.alltoall_name(b.name),
+                        ignore_name_scope=True, process_set=ps)
             if ef is not None:
                 t.own[b.index] = _Sent(memory, h, raw, sent, numel)
         for i in t.plan.small:
             g = t.tensors[i]
             wire = tf.cast(g, tf.float16) if comp.fp16_wire else g
-            out = hvd.allreduce(wire, op=hvd.Average,
-                                name=names.allreduce_name(t.plan.content, t.plan.names[i]),
-                                ignore_name_scope=True, process_set=ps)
+            with tf.control_dependencies([t.agreed]):
+                out = hvd.allreduce(wire, op=hvd.Average,
+                                    name=names.allreduce_name(t.plan.content, t.plan.names[i]),
+                                    ignore_name_scope=True, process_set=ps)
             t.small[i] = tf.cast(out, g.dtype)
 
     def _decode_chunks_stage(self, t: _Trace) -> None:
@@ -608,6 +666,14 @@ class PackedExchange:
             decide, [self._ops.heads(rows)], tf.bool, stateful=True, name="aq_receive_outcome"),
             lambda: tf.constant(True))
         return any_bad, check
+
+
+def _check_agreement(gathered: np.ndarray) -> np.bool_:
+    """The agreement's check on the host (``tf.numpy_function``): ``packed.trainable.
+    check_agreement``'s ConfigMismatchError, which TensorFlow wraps in InvalidArgumentError
+    (``checks.translate_error`` unwraps it on the eager path)."""
+    check_agreement(gathered, "tensorflow")
+    return np.bool_(True)
 
 
 def check_tf_wire(wire: Any) -> str:
