@@ -148,8 +148,9 @@ def _elastic_example(tmp_path, exchange: str, env: dict | None = None, bits: int
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     out = tmp_path / "out"
     run = run_elastic(
-        [sys.executable, EXAMPLE, "--exchange", exchange, "--compression", "alq", "--bits", str(bits),
-         "--epochs", str(EPOCHS), "--global-batch", str(GLOBAL_BATCH), "--lr", str(LR),
+        [sys.executable, EXAMPLE, "--exchange", exchange, "--compression", "alq",
+         "--bits", str(bits), "--epochs", str(EPOCHS), "--global-batch", str(GLOBAL_BATCH),
+         "--lr", str(LR),
          "--seed", str(SEED), "--schedule", SCHEDULE, "--resize", RESIZE,
          "--hosts-file", str(hosts), "--out", str(out)],
         discovery_script=str(script), np=2, min_np=2, max_np=3, timeout=900, env=env)
