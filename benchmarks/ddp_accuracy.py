@@ -11,7 +11,9 @@ process), SGD with momentum 0.9 at its default constant learning rate, the same 
 (generator seeded ``seed*1000 + rank``), for ``--epochs`` epochs, ``--lr-schedule`` constant or
 cosine (``accuracy.lr_at``). ``--converged``: 10 epochs, cosine from lr 0.05 (``accuracy.py
 --converged``'s recipe), report ``results/ddp_accuracy_converged.md``; ``--resume`` keeps the seeds
-its .json already holds, so the seeds can run in parts. The difference: no Horovod.
+its .json already holds per (configuration, seed), so the seeds, and rows added later, can
+run in parts (a matched PowerSGD rank then comes from the stored ALQ row's bytes). The
+difference: no Horovod.
 The processes are started with ``torch.multiprocessing.spawn`` (one thread each), joined by a
 Gloo process group, and the model is wrapped in ``DistributedDataParallel``.
 
@@ -24,6 +26,10 @@ weights, which DDP also broadcasts from rank 0):
   (package defaults: L∞ buckets of 256, ``exchange="auto"``, ``wire="auto"``; with
   ``error_feedback=False``, the plain quantizer, where the default would wrap the 2-bit one in
   ``ErrorFeedback``), DDP's default buckets;
+* ``EF(ALQ 2b) (default)`` — the hook as a user gets it at 2 bits: ``register(model,
+  horovod_aq.ALQ(bits=2))`` with ``error_feedback="auto"``, which wraps it in ``ErrorFeedback``
+  (docs/quantizers.md §5.9; the run checks that it did). Same bytes as ``ALQ 2b``. One row per
+  ``--bits`` entry ≤ 2;
 * ``PowerSGD r=k`` — ``powerSGD_hook.powerSGD_hook`` with ``PowerSGDState(
   matrix_approximation_rank=k, start_powerSGD_iter=2, use_error_feedback=True,
   warm_start=True)`` (PyTorch's defaults otherwise, e.g. ``min_compression_rate=2``). The ranks
@@ -113,6 +119,11 @@ def choose_rank(shapes: list[tuple[int, ...]], target_bytes: float, ranks: int,
                                   - target_bytes), k))
 
 
+def ef_label(bits: int) -> str:
+    """The row of the hook with its default error feedback at ``bits`` (≤ 2)."""
+    return f"EF(ALQ {bits}b) (default)"
+
+
 # ============================================================================ worker (one rank)
 def _evaluate(model, test) -> tuple[float, float]:
     """(test loss, test accuracy) on the whole test set, on this process alone."""
@@ -132,7 +143,7 @@ def _evaluate(model, test) -> tuple[float, float]:
     return loss / len(test.labels), correct / len(test.labels)
 
 
-def _train(cfg: dict, kind: str, *, bits: int = 0, prank: int = 0) -> dict:
+def _train(cfg: dict, kind: str, *, bits: int = 0, prank: int = 0, ef: bool = False) -> dict:
     """One configuration in this rank: build, train for the budget, evaluate (rank 0)."""
     import torch
     import torch.distributed as dist
@@ -181,8 +192,14 @@ def _train(cfg: dict, kind: str, *, bits: int = 0, prank: int = 0) -> dict:
     else:
         net = DDP(model)
         if kind == "alq":
-            comp = horovod_aq.ALQ(bits=bits, seed=seed, name=f"ddpacc.alq{bits}.s{seed}")
-            state = aqddp.register(net, comp, error_feedback=False)   # the plain quantizer
+            comp = horovod_aq.ALQ(bits=bits, seed=seed,
+                                  name=f"ddpacc.{'ef' if ef else ''}alq{bits}.s{seed}")
+            if ef:     # the hook's default: error_feedback="auto" wraps a ≤ 2-bit quantizer
+                state = aqddp.register(net, comp)
+                if not isinstance(state.compression, horovod_aq.ErrorFeedback):
+                    raise RuntimeError(f"error_feedback='auto' kept {state.compression!r} plain")
+            else:
+                state = aqddp.register(net, comp, error_feedback=False)   # the plain quantizer
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
     batch = cfg["batch"]
     steps_per_epoch = len(ys) // batch
@@ -213,7 +230,7 @@ def _train(cfg: dict, kind: str, *, bits: int = 0, prank: int = 0) -> dict:
     elif kind == "alq":
         t = state.telemetry.totals()
         hist = [r.bytes_sent for r in state.telemetry.history]
-        out.update(bits=bits, bytes_per_step=t["bytes_sent"] / t["steps"],
+        out.update(bits=bits, error_feedback=ef, bytes_per_step=t["bytes_sent"] / t["steps"],
                    bytes_steady=statistics.median(hist), telemetry_steps=t["steps"],
                    telemetry_bytes_fp32=t["bytes_fp32"] / t["steps"],
                    bits_per_coordinate=t["bits_per_coordinate"],
@@ -251,16 +268,21 @@ def _worker(rank: int, cfg: dict) -> None:
     from horovod_aq.torch.process_exit import destroy_and_exit
 
     shapes = [tuple(p.shape) for p in SmallCNN().parameters()]
-    runs = [("fp32", _train(cfg, "fp32"))]
-    alq = {}
+    skip = set(cfg["skip"])            # labels this seed already has (--resume)
+    runs = [] if "fp32" in skip else [("fp32", _train(cfg, "fp32"))]
+    alq = dict(cfg["alq_bytes"])       # bits -> steady bytes of the stored ALQ rows
     for b in cfg["bits"]:
-        r = _train(cfg, "alq", bits=b)
-        runs.append((f"ALQ {b}b", r))
-        alq[b] = r["bytes_steady"]
+        if f"ALQ {b}b" not in skip:
+            r = _train(cfg, "alq", bits=b)
+            runs.append((f"ALQ {b}b", r))
+            alq[b] = r["bytes_steady"]
+    for b in cfg["bits"]:
+        if b <= 2 and ef_label(b) not in skip:
+            runs.append((ef_label(b), _train(cfg, "alq", bits=b, ef=True)))
     ranks = cfg["ranks"] or [choose_rank(shapes, alq[b], cfg["procs"]) for b in cfg["bits"]]
     done = set()
     for k, b in zip(ranks, cfg["bits"]):
-        if k in done:
+        if k in done or f"PowerSGD r={k}" in skip:
             continue
         done.add(k)
         r = _train(cfg, "powersgd", prank=k)
@@ -318,7 +340,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run_seed(args: argparse.Namespace, seed: int) -> list[tuple[str, dict]]:
+def run_seed(args: argparse.Namespace, seed: int, skip: set[str],
+             alq_bytes: dict[int, float]) -> list[tuple[str, dict]]:
     import torch.multiprocessing as mp
 
     for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -327,7 +350,8 @@ def run_seed(args: argparse.Namespace, seed: int) -> list[tuple[str, dict]]:
         cfg = {"seed": seed, "procs": args.procs, "lr": args.lr,
                "lr_schedule": args.lr_schedule, "batch": args.batch,
                "epochs": args.epochs, "steps": args.steps, "bits": args.bits,
-               "ranks": args.ranks, "store": os.path.join(tmp, "store"),
+               "ranks": args.ranks, "skip": sorted(skip), "alq_bytes": alq_bytes,
+               "store": os.path.join(tmp, "store"),
                "result": os.path.join(tmp, "result.json")}
         mp.spawn(_worker, args=(cfg,), nprocs=args.procs, join=True)
         return [tuple(x) for x in json.loads(Path(cfg["result"]).read_text())]
@@ -336,7 +360,9 @@ def run_seed(args: argparse.Namespace, seed: int) -> list[tuple[str, dict]]:
 def render(args: argparse.Namespace, results: dict[str, list[dict]], wall: float) -> str:
     fp32 = statistics.fmean(r["bytes_per_step"] for r in results["fp32"])
     rows = []
-    for label, runs in results.items():
+    order = {"fp32": 0, "alq": 1, "powersgd": 2}      # fp32, ALQ (plain, then EF), PowerSGD
+    for label, runs in sorted(results.items(), key=lambda kv: (
+            order[kv[1][0]["kind"]], kv[1][0].get("error_feedback", False))):
         r0 = runs[0]
         sent = statistics.fmean(r["bytes_per_step"] for r in runs)
         steady = statistics.fmean(r["bytes_steady"] for r in runs)
@@ -345,17 +371,20 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]], wall: float
                     f"{r0['numel_uncompressed']:,} values; first {START_POWERSGD_ITER} steps fp32"
                     + (f"; matched to {r0['matched_to']}" if r0.get("matched_to") else ""))
         elif r0["kind"] == "alq":
-            what = (f"{r0['bits_per_coordinate']:.3f} bits/coordinate; {r0['ddp_buckets']} "
+            what = (f"{r0['bits_per_coordinate']:.3f} bits/coordinate"
+                    + (", error feedback" if r0.get("error_feedback") else "")
+                    + f"; {r0['ddp_buckets']} "
                     f"DDP bucket(s): {' + '.join(r0['exchange'])}")
         else:
             what = f"{r0['numel']:,} values"
         rows.append([label, accuracy.fmt([r["test_acc"] for r in runs], 2, 100),
                      accuracy.fmt([r["test_loss"] for r in runs], 4),
                      f"{sent / 1e3:.1f}", f"{sent / fp32:.4f}", f"{steady / fp32:.4f}", what,
+                     ", ".join(str(r["seed"]) for r in runs),
                      f"{statistics.fmean(r['seconds'] for r in runs):.0f}"])
     table = report.markdown_table(
         ["configuration", "test accuracy (%)", "test loss", "kB sent/rank/step (mean)",
-         "bytes vs fp32 (mean)", "bytes vs fp32 (steady)", "what is sent",
+         "bytes vs fp32 (mean)", "bytes vs fp32 (steady)", "what is sent", "seeds",
          "s per run"], rows)
     r0 = results["fp32"][0]
     notes = [
@@ -366,7 +395,8 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]], wall: float
         + (f"({args.epochs:g} epoch)" if not args.steps else "(--steps)"),
         f"Seeds {', '.join(str(r['seed']) for r in results['fp32'])} of "
         f"{', '.join(map(str, args.seeds))} done (mean ± sample std over seeds); all "
-        "configurations of a seed in one spawn, same initial weights",
+        "configurations of a seed in one spawn (rows added later: a later spawn), same "
+        "initial weights",
         f"PowerSGD: start_powerSGD_iter={START_POWERSGD_ITER}, error feedback, warm start, "
         f"min_compression_rate={MIN_COMPRESSION_RATE}, ONE DDP bucket (bucket_cap_mb="
         f"{POWERSGD_BUCKET_MB}, which also lifts DDP's 1 MiB first-bucket cap; checked every "
@@ -393,13 +423,19 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.resume and out.with_suffix(".json").exists():
         results = json.loads(out.with_suffix(".json").read_text())
-    done = {r["seed"] for r in results.get("fp32", [])}
     t_all = time.monotonic()
     for seed in args.seeds:
-        if seed in done:
+        have = {label for label, runs in results.items() for r in runs if r["seed"] == seed}
+        matched = {r["matched_to"] for label, runs in results.items() for r in runs
+                   if r["seed"] == seed and r.get("matched_to")}
+        want = {"fp32", *(f"ALQ {b}b" for b in args.bits),
+                *(ef_label(b) for b in args.bits if b <= 2)}
+        if want <= have and (args.ranks or {f"ALQ {b}b" for b in args.bits} <= matched):
             continue
+        alq_bytes = {b: r["bytes_steady"] for b in args.bits
+                     for r in results.get(f"ALQ {b}b", []) if r["seed"] == seed}
         t0 = time.monotonic()
-        for label, r in run_seed(args, seed):
+        for label, r in run_seed(args, seed, have, alq_bytes):
             results.setdefault(label, []).append(r)
         print(f"seed {seed}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         out.write_text(render(args, results, time.monotonic() - t_all))   # after every seed

@@ -80,7 +80,8 @@ def torch_stock():
     return out
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"], ids=lambda c: f"{c}-2")
+@pytest.fixture(scope="module", params=launches.params(["gloo", "mpi"], slow=["mpi"]),
+                ids=lambda c: f"{c}-2")
 def torch_launch(request):
     return run_local([torch_stock], np=2, controller=request.param, timeout=300)
 

@@ -239,6 +239,7 @@ def test_linear_models_quick():
     assert mean[0] < 0.6 * mean[1], (ecq, plain)
 
 
+@pytest.mark.slow
 def test_kernels_quick():
     """benchmarks/kernels.py --quick measures every implementation at both sizes and widths
     (byte-exactness of the implementations is tested in test_fused_cpu / test_kernels_*)."""

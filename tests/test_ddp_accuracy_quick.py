@@ -1,7 +1,8 @@
 """``benchmarks/ddp_accuracy.py --quick`` runs end to end (2 DDP processes, 20 steps per run).
 
 It checks the plumbing, not accuracy: the report holds a Markdown table with every
-configuration (fp32, ALQ 2/3-bit, the two byte-matched PowerSGD ranks), the JSON beside it holds
+configuration (fp32, ALQ 2/3-bit plain, ALQ 2-bit with the hook's default error feedback,
+the two byte-matched PowerSGD ranks), the JSON beside it holds
 every run, and the byte ratios are sane: fp32 is 1, ALQ b-bit sends about b/32 of fp32's bytes
 (codes plus norms and headers; allgather at 2 processes), and each PowerSGD rank's
 compressed-step bytes are the closest of all ranks to its ALQ width's, as PyTorch's own rule
@@ -64,6 +65,10 @@ def test_ddp_accuracy_quick(tmp_path):
         assert run["telemetry_bytes_fp32"] == pytest.approx(fp32)
         ratio = run["bytes_steady"] / fp32
         assert bits / 32 < ratio < (bits + 1) / 32, (bits, ratio)
+        assert run["error_feedback"] is False
+    ef = results[bench.ef_label(2)][0]          # the hook's default at 2 bits: error feedback
+    assert ef["error_feedback"] is True and ef["steps"] == bench.QUICK_STEPS
+    assert ef["bytes_steady"] / fp32 < 3 / 32, ef["bytes_steady"] / fp32   # memory stays local
     shapes = [tuple(s) for s in _shapes()]
     for label in psgd:
         run = results[label][0]

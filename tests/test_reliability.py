@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from horovod_aq.tools.launcher import LaunchError, run_local
+from tests import launches
 from tests.ranks import init_torch, tiny_model
 
 pytestmark = pytest.mark.multiprocess
@@ -212,7 +213,7 @@ CHECKS = [nonfinite_skip_consistently, stock_nonfinite_skip, misconfig_bucket_si
           misconfig_method, misconfig_parameters, misconfig_table_version]
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
+@pytest.fixture(scope="module", params=launches.params(["gloo", "mpi"], slow=["mpi"]))
 def launch(request):
     return run_local(CHECKS, np=2, controller=request.param, timeout=600)
 
@@ -224,7 +225,7 @@ def _same_error_everywhere(messages, *needles):
 
 
 @pytest.mark.parametrize("exchange", ["allgather", "two_phase"])
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", launches.params(["gloo", "mpi"], slow=["mpi"]))
 def test_nonfinite_gradient_stops_every_rank(controller, exchange, request):
     def check():
         torch, hvd = init_torch()
@@ -275,7 +276,7 @@ def test_misconfiguration_fails_everywhere_with_one_message(launch, check, words
     _same_error_everywhere(messages, "ConfigMismatchError", *words)
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", launches.params(["gloo", "mpi"], slow=["mpi"]))
 def test_dead_rank_ends_the_job_and_is_named(controller):
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as info:

@@ -349,7 +349,8 @@ CHECKS = {"gloo": [snippet_stock, snippet_tape, snippet_fit, snippet_mixed_preci
 LAUNCHES = {"launch": CHECKS}
 
 
-@pytest.fixture(scope="module", params=list(CHECKS), ids=lambda c: f"{c}-2")
+@pytest.fixture(scope="module", params=launches.params(CHECKS, slow=["mpi"]),
+                ids=lambda c: f"{c}-2")
 def launch(request):
     return run_local(CHECKS[request.param], np=2, controller=request.param, timeout=600)
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from horovod_aq.tools.launcher import run_local
+from tests import launches
 from tests.ranks import init_torch, tiny_model
 
 BUCKET = 64
@@ -511,7 +512,7 @@ CHECKS = [resume_layouts, fresh_start, zero_grad_set_to_none, load_refused_uncha
           warnings_like_horovod, wrapped_twice, readme_snippet]
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
+@pytest.fixture(scope="module", params=launches.params(["gloo", "mpi"], slow=["mpi"]))
 def launch(request):
     return run_local(CHECKS, np=2, controller=request.param, timeout=600)
 

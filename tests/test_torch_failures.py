@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from horovod_aq.tools.launcher import run_local
+from tests import launches
 from tests.ranks import init_torch
 
 STALL_S = 4.0   # the stall timeout of the stall launch (seconds)
@@ -325,12 +326,12 @@ CHECKS = [missing_gradients, overflowing_norm, content_names, retried_backward,
           padded_tail_chunk, checksummed_exchange]
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
+@pytest.fixture(scope="module", params=launches.params(["gloo", "mpi"], slow=["mpi"]))
 def launch(request):
     return run_local(CHECKS, np=2, controller=request.param, timeout=600)
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
+@pytest.fixture(scope="module", params=launches.params(["gloo", "mpi"], slow=["mpi"]))
 def stall_launch(request):
     # each of these leaves Horovod shut down or a collective behind: one launch each
     return run_local([stalled_exchange], np=2, controller=request.param, timeout=300)

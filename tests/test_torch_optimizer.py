@@ -629,7 +629,8 @@ LAUNCHES = {"launch": {("gloo", 2): TWO_RANK_CHECKS, ("mpi", 2): TWO_RANK_CHECKS
 TWO_RANKS = [("gloo", 2), ("mpi", 2)]
 
 
-@pytest.fixture(scope="module", params=launches.params(LAUNCHES["launch"], slow=[("mpi", 4)]),
+@pytest.fixture(scope="module", params=launches.params(LAUNCHES["launch"],
+                                                           slow=[("mpi", 2), ("mpi", 4)]),
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def launch(request):
     controller, ranks = request.param

@@ -505,6 +505,7 @@ def test_cuda_bucket_of_two_to_the_twenty(norm):
 # ------------------------------------------------------------------------------ gpu_check.py
 
 
+@pytest.mark.slow     # a benchmark's quick run (the GPU script's dry run): the slow matrix
 def test_gpu_check_dry_run_writes_a_table(tmp_path):
     out = tmp_path / "gpu.md"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
