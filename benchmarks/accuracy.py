@@ -20,9 +20,9 @@ configurations and the report and .json are rewritten after each launch.
 
 **Configurations.** fp32, fp16, and each quantizer at 3 bits — QSGD, QSGDinf, NUQSGD, TernGrad
 (always ternary), natural dithering, ALQ, ALQ-N, ALQ-G, AMQ, AMQ-N — plus ALQ, AMQ and QSGDinf at 2
-bits, ALQ at 2 bits with the paper's L2 bucket norm ("(L2)") and at 3 bits with L∞ ("(L∞)"): the
-adaptive methods' default is L∞ up to 2 bits and L2 from 3 bits, docs/quantizers.md §5.6;
-"EF(ALQ 2b)" is ``ErrorFeedback(ALQ(bits=2))`` and "EF(ALQ 2b) entropy" the same on
+bits, ALQ at 2 and 3 bits with the paper's L2 bucket norm ("(L2)"): the adaptive methods'
+default is L∞ at every width, docs/quantizers.md §5.6; "EF(ALQ 2b)" and "EF(ALQ 3b)" are
+``ErrorFeedback(ALQ(bits=b))``, and "EF(ALQ 2b) entropy" the first on
 ``wire="entropy"`` (``results/accuracy_ef_entropy.md``). Every other row passes
 ``error_feedback=False``, so its quantizer is sent plain also where the package default
 (``error_feedback="auto"``, docs/quantizers.md §5.9) would add error feedback.
@@ -75,13 +75,15 @@ CONFIGS = (
     ("ALQ 2b", "alq", 2, {}), ("AMQ 2b", "amq", 2, {}), ("ALQ 2b (L2)", "alq", 2, {"norm": "l2"}),
     ("QSGDinf 2b", "qsgdinf", 2, {}), ("ALQ 4b", "alq", 4, {}),
     ("EF(ALQ 2b)", "alq", 2, {"error_feedback": True}),
+    ("EF(ALQ 3b)", "alq", 3, {"error_feedback": True}),
     ("EF(ALQ 2b) entropy", "alq", 2, {"error_feedback": True, "wire": "entropy"}),
     ("ALQ 3b (L2 B1024)", "alq", 3, {"norm": "l2", "bucket_size": 1024}),
 )
 QUICK_CONFIGS = ("fp32", "QSGDinf 3b", "ALQ 3b")
 #: The converged benchmark's configurations (docs/quantizers.md §5.6, §5.7 cite it).
 CONVERGED = ("fp32", "ALQ 2b", "ALQ 3b", "ALQ 4b", "AMQ 3b", "QSGDinf 3b", "QSGD 3b",
-             "NUQSGD 3b", "natural 3b", "TernGrad", "EF(ALQ 2b)", "ALQ 3b (L2 B1024)")
+             "NUQSGD 3b", "natural 3b", "TernGrad", "EF(ALQ 2b)", "EF(ALQ 3b)",
+             "ALQ 3b (L2 B1024)")
 
 
 def lr_at(step: int, total: int, lr: float, schedule: str) -> float:

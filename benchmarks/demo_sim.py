@@ -25,9 +25,11 @@ Configurations: ``fp32`` or ``method:key=value,...`` (compressor arguments; ``ef
 ErrorFeedback, ``efa=``/``efb=`` its α/β; ``gauss=1`` replaces the
 rounding by Gaussian noise of the same per-coordinate variance; ``small=N`` sends tensors under N
 elements in fp32; ``noise=ρ`` on fp32 adds Gaussian noise of ρ × the minibatch noise, per layer).
-Results go to ``--out`` as JSON lines (one per run), appended as runs finish, so a grid can run
-in parts; ``--report NAME`` then writes ``benchmarks/results/NAME.md`` from every run in ``--out``
-(with ``--configs ''`` it only writes the report).
+A run stops at the first step where a worker's gradient is non-finite and records it as
+``diverged_step``; its accuracy is then the model's when it stopped. Results go to ``--out`` as
+JSON lines (one per run), appended as runs finish, so a grid can run in parts; ``--report NAME``
+then writes ``benchmarks/results/NAME.md`` from every run in ``--out`` (with ``--configs ''`` it
+only writes the report).
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ def run(config: str, seed: int, *, workers: int, epochs: int, lr: float, batch: 
     diag = {"gamma": [], "rho": [], "rho_layer": [], "qerr": [], "sgd": [], "gnorm2": []}
     history = []
     step = 0
+    diverged = None     # the first step whose gradient is non-finite: training stops there
     t0 = time.perf_counter()
     for epoch in range(1, epochs + 1):
         orders = [torch.randperm(len(y), generator=g) for y, g in zip(ys, gens)]
@@ -150,6 +153,9 @@ def run(config: str, seed: int, *, workers: int, epochs: int, lr: float, batch: 
                 losses.append(loss.item())
                 grads.append(torch.cat([p.grad.reshape(-1) for p in params]).numpy().copy())
             g = np.stack(grads)
+            if not np.isfinite(g).all():
+                diverged = step
+                break
             if dump is not None and step in DUMP_STEPS:
                 dump[f"s{step}"] = g.copy()
             want_diag = diag_every and step % diag_every == 0
@@ -209,11 +215,12 @@ def run(config: str, seed: int, *, workers: int, epochs: int, lr: float, batch: 
         test_loss, test_acc = evaluate(model, xt, yt)
         history.append({"epoch": epoch, "train_loss": float(np.mean(losses)),
                         "test_loss": test_loss, "test_acc": test_acc})
-        if max_steps and step >= max_steps:
+        if diverged is not None or (max_steps and step >= max_steps):
             break
     out = {"config": config, "seed": seed, "workers": workers, "epochs": epochs, "lr": lr,
            "batch": batch, "test_acc": history[-1]["test_acc"], "history": history,
-           "seconds": time.perf_counter() - t0, "layers": names}
+           "seconds": time.perf_counter() - t0, "layers": names,
+           "diverged_step": diverged}
     if diag["rho"]:
         out["diag"] = {k: v for k, v in diag.items()}
         out["summary"] = {"gamma": float(np.mean(diag["gamma"])),
@@ -228,7 +235,7 @@ def run(config: str, seed: int, *, workers: int, epochs: int, lr: float, batch: 
 def summarize(runs: list[dict]) -> str:
     """A Markdown table: per configuration and learning rate, test accuracy, its paired
     difference to fp32 at that learning rate, the last epoch's training loss, γ and ρ (means over
-    the diagnosed steps and the seeds)."""
+    the diagnosed steps and the seeds), and the seeds that diverged."""
     from benchmarks import report
 
     groups: dict[tuple[str, float], dict[int, dict]] = {}
@@ -240,18 +247,23 @@ def summarize(runs: list[dict]) -> str:
         order = sorted(seeds)
         acc = [100 * seeds[s]["test_acc"] for s in order]
         paired = [100 * (seeds[s]["test_acc"] - fp32[s]["test_acc"]) for s in order if s in fp32]
-        loss = [seeds[s]["history"][-1]["train_loss"] for s in order]
+        loss = [seeds[s]["history"][-1]["train_loss"] for s in order
+                if seeds[s].get("diverged_step") is None]
         diag = [seeds[s]["summary"] for s in order if "summary" in seeds[s]]
         spread = f" ± {np.std(paired, ddof=1):.2f}" if len(paired) > 1 else ""
+        stops = [f"seed {s} at step {seeds[s]['diverged_step']}" for s in order
+                 if seeds[s].get("diverged_step") is not None]
         rows.append([f"`{config}`", f"{lr:g}", ", ".join(map(str, order)),
                      " / ".join(f"{a:.1f}" for a in acc) + f" (mean {np.mean(acc):.2f})",
                      f"{np.mean(paired):+.2f}{spread}" if paired and config != "fp32" else "—",
-                     f"{np.mean(loss):.4f}",
+                     f"{np.mean(loss):.4f}" if loss else "—",
                      f"{np.mean([d['gamma'] for d in diag]):.3f}" if diag else "—",
-                     f"{np.mean([d['rho'] for d in diag]):.3f}" if diag else "—"])
+                     f"{np.mean([d['rho'] for d in diag]):.3f}" if diag else "—",
+                     ", ".join(stops) or "—"])
     return report.markdown_table(
         ["configuration", "lr per rank", "seeds", "test accuracy (%) per seed",
-         "minus fp32, paired (pt)", "train loss, last epoch", "γ", "ρ"], rows)
+         "minus fp32, paired (pt)", "train loss, last epoch", "γ", "ρ",
+         "diverged"], rows)
 
 
 def main(argv=None) -> int:
@@ -305,7 +317,10 @@ def main(argv=None) -> int:
                  "γ: E‖Q(x)−x‖²/‖x‖² per rank (exact expectation), ρ: E‖ḡ_Q − ḡ‖² ÷ the "
                  f"minibatch noise of ḡ; both every {args.diag_every} steps, mean over the run; "
                  "with `ef=1` both measure the compensated vector (gradient plus error "
-                 "memory) the quantizer sees, not the step's error"]
+                 "memory) the quantizer sees, not the step's error",
+                 "diverged: the seeds whose gradients turned non-finite, and the step; the run "
+                 "stops there, its accuracy is the model's then, and the loss column leaves it "
+                 "out. A run near 10 % without an entry collapsed with finite gradients"]
         path = report.write(args.report, "The demo's training, simulated: accuracy and noise",
                             summarize(runs) + "\n", notes=notes)
         print(f"wrote {path}")

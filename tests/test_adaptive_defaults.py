@@ -96,3 +96,14 @@ def test_auto_error_feedback_is_on_at_two_bits_and_off_at_three():
     assert QuantizedHookState(three).compression is three
     off = QuantizedHookState(horovod_aq.ALQ(bits=2), error_feedback=False)
     assert off.compression.error_memory is None
+
+
+def test_demo_sim_stops_a_diverging_run_and_says_where():
+    """At a learning rate far past stability the gradients become non-finite; the simulation
+    records the step and stops instead of failing inside the codec (which refuses them)."""
+    run = demo_sim.run("alq:bits=2", 0, workers=2, epochs=1, lr=50.0, batch=32,
+                       diag_every=0, max_steps=60)
+    assert run["diverged_step"] is not None and 0 < run["diverged_step"] < 60, run["diverged_step"]
+    stable = demo_sim.run("fp32", 0, workers=2, epochs=1, lr=0.05, batch=32,
+                          diag_every=0, max_steps=10)
+    assert stable["diverged_step"] is None
