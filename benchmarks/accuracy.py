@@ -21,9 +21,9 @@ configurations and the report and .json are rewritten after each launch.
 **Configurations.** fp32, fp16, and each quantizer at 3 bits — QSGD, QSGDinf, NUQSGD, TernGrad
 (always ternary), natural dithering, ALQ, ALQ-N, ALQ-G, AMQ, AMQ-N — plus ALQ, AMQ and QSGDinf at 2
 bits, ALQ at 2 and 3 bits with the paper's L2 bucket norm ("(L2)"): the adaptive methods'
-default is L∞ at every width, docs/quantizers.md §5.6; "EF(ALQ 2b)" and "EF(ALQ 3b)" are
-``ErrorFeedback(ALQ(bits=b))``, and "EF(ALQ 2b) entropy" the first on
-``wire="entropy"`` (``results/accuracy_ef_entropy.md``). Every other row passes
+default is L∞ at every width, docs/quantizers.md §5.6; "EF(ALQ 2b)", "EF(ALQ 3b)" and
+"EF(QSGDinf 3b)" are ``ErrorFeedback(...)`` of the row's quantizer, and "EF(ALQ 2b) entropy"
+the first on ``wire="entropy"`` (``results/accuracy_ef_entropy.md``). Every other row passes
 ``error_feedback=False``, so its quantizer is sent plain also where the package default
 (``error_feedback="auto"``, docs/quantizers.md §5.9) would add error feedback.
 **Every configuration, fp32 and fp16 included, runs through the packed optimizer**
@@ -76,6 +76,7 @@ CONFIGS = (
     ("QSGDinf 2b", "qsgdinf", 2, {}), ("ALQ 4b", "alq", 4, {}),
     ("EF(ALQ 2b)", "alq", 2, {"error_feedback": True}),
     ("EF(ALQ 3b)", "alq", 3, {"error_feedback": True}),
+    ("EF(QSGDinf 3b)", "qsgdinf", 3, {"error_feedback": True}),
     ("EF(ALQ 2b) entropy", "alq", 2, {"error_feedback": True, "wire": "entropy"}),
     ("ALQ 3b (L2 B1024)", "alq", 3, {"norm": "l2", "bucket_size": 1024}),
 )
@@ -83,7 +84,7 @@ QUICK_CONFIGS = ("fp32", "QSGDinf 3b", "ALQ 3b")
 #: The converged benchmark's configurations (docs/quantizers.md §5.6, §5.7 cite it).
 CONVERGED = ("fp32", "ALQ 2b", "ALQ 3b", "ALQ 4b", "AMQ 3b", "QSGDinf 3b", "QSGD 3b",
              "NUQSGD 3b", "natural 3b", "TernGrad", "EF(ALQ 2b)", "EF(ALQ 3b)",
-             "ALQ 3b (L2 B1024)")
+             "EF(QSGDinf 3b)", "ALQ 3b (L2 B1024)")
 
 
 def lr_at(step: int, total: int, lr: float, schedule: str) -> float:

@@ -24,12 +24,12 @@ weights, which DDP also broadcasts from rank 0):
 * ``fp32`` — DDP's own allreduce (no hook), DDP's default buckets;
 * ``ALQ 2b`` / ``ALQ 3b`` — ``horovod_aq.torch.ddp.register(model, horovod_aq.ALQ(bits=b))``
   (package defaults: L∞ buckets of 256, ``exchange="auto"``, ``wire="auto"``; with
-  ``error_feedback=False``, the plain quantizer, where the default would wrap the 2-bit one in
+  ``error_feedback=False``, the plain quantizer, where the default would wrap it in
   ``ErrorFeedback``), DDP's default buckets;
 * ``EF(ALQ 2b) (default)`` — the hook as a user gets it at 2 bits: ``register(model,
   horovod_aq.ALQ(bits=2))`` with ``error_feedback="auto"``, which wraps it in ``ErrorFeedback``
   (docs/quantizers.md §5.9; the run checks that it did). Same bytes as ``ALQ 2b``. One row per
-  ``--bits`` entry ≤ 2;
+  ``--bits`` entry ≤ ``AUTO_MAX_BITS`` (3), so also ``EF(ALQ 3b) (default)``;
 * ``PowerSGD r=k`` — ``powerSGD_hook.powerSGD_hook`` with ``PowerSGDState(
   matrix_approximation_rank=k, start_powerSGD_iter=2, use_error_feedback=True,
   warm_start=True)`` (PyTorch's defaults otherwise, e.g. ``min_compression_rate=2``). The ranks
@@ -78,6 +78,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import accuracy, report  # noqa: E402
+from horovod_aq.error_feedback_setting import AUTO_MAX_BITS  # noqa: E402
 
 #: PowerSGD's DDP bucket cap (MB): one bucket for the whole model (module docstring).
 POWERSGD_BUCKET_MB = 10_000
@@ -120,7 +121,7 @@ def choose_rank(shapes: list[tuple[int, ...]], target_bytes: float, ranks: int,
 
 
 def ef_label(bits: int) -> str:
-    """The row of the hook with its default error feedback at ``bits`` (≤ 2)."""
+    """The row of the hook with its default error feedback at ``bits`` (≤ AUTO_MAX_BITS)."""
     return f"EF(ALQ {bits}b) (default)"
 
 
@@ -194,7 +195,7 @@ def _train(cfg: dict, kind: str, *, bits: int = 0, prank: int = 0, ef: bool = Fa
         if kind == "alq":
             comp = horovod_aq.ALQ(bits=bits, seed=seed,
                                   name=f"ddpacc.{'ef' if ef else ''}alq{bits}.s{seed}")
-            if ef:     # the hook's default: error_feedback="auto" wraps a ≤ 2-bit quantizer
+            if ef:     # the hook's default: error_feedback="auto" wraps a ≤ 3-bit quantizer
                 state = aqddp.register(net, comp)
                 if not isinstance(state.compression, horovod_aq.ErrorFeedback):
                     raise RuntimeError(f"error_feedback='auto' kept {state.compression!r} plain")
@@ -277,7 +278,7 @@ def _worker(rank: int, cfg: dict) -> None:
             runs.append((f"ALQ {b}b", r))
             alq[b] = r["bytes_steady"]
     for b in cfg["bits"]:
-        if b <= 2 and ef_label(b) not in skip:
+        if b <= AUTO_MAX_BITS and ef_label(b) not in skip:
             runs.append((ef_label(b), _train(cfg, "alq", bits=b, ef=True)))
     ranks = cfg["ranks"] or [choose_rank(shapes, alq[b], cfg["procs"]) for b in cfg["bits"]]
     done = set()
@@ -429,7 +430,7 @@ def main(argv=None) -> int:
         matched = {r["matched_to"] for label, runs in results.items() for r in runs
                    if r["seed"] == seed and r.get("matched_to")}
         want = {"fp32", *(f"ALQ {b}b" for b in args.bits),
-                *(ef_label(b) for b in args.bits if b <= 2)}
+                *(ef_label(b) for b in args.bits if b <= AUTO_MAX_BITS)}
         if want <= have and (args.ranks or {f"ALQ {b}b" for b in args.bits} <= matched):
             continue
         alq_bytes = {b: r["bytes_steady"] for b in args.bits

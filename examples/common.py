@@ -37,7 +37,7 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--error-feedback", choices=list(ERROR_FEEDBACK), nargs="?", const="on",
                    default="auto",
                    help="ECQ-SGD error compensation around the quantizer: auto (the packed "
-                   "exchange's default: on for quantizers of <= 2 bits), on (--error-feedback "
+                   "exchange's default: on for quantizers of <= 3 bits), on (--error-feedback "
                    "alone) or off")
     p.add_argument("--exchange", choices=["auto", "allgather", "two_phase", "stock"],
                    default="auto", help="packed exchange mode, or 'stock' for Horovod's own "

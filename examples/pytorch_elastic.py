@@ -23,7 +23,7 @@ What carries the compressor across a change of world: ``import horovod_aq.torch.
 table, version and step (and the weights and optimizer state, as Horovod does) go to every
 rank; each rank keeps its own random stream (docs/horovod_compat.md § Elastic Horovod). With the
 packed optimizer the state holds ``optimizer.compression``, the object it quantizes with (at
-<= 2 bits the ``ErrorFeedback`` that ``error_feedback="auto"`` puts around ``comp``).
+<= 3 bits the ``ErrorFeedback`` that ``error_feedback="auto"`` puts around ``comp``).
 
 The global batch (``--global-batch``, default 96) is the same at every world size and split
 evenly over the ranks, so a run that resizes sees the same samples in the same steps as one that
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         opt = aqt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                        compression=comp, exchange=args.exchange)
-        # What the optimizer quantizes with: at <= 2 bits error_feedback="auto" wraps comp in
+        # What the optimizer quantizes with: at <= 3 bits error_feedback="auto" wraps comp in
         # ErrorFeedback, whose memory TorchState must then carry (save/restore) as well.
         comp = opt.compression
     # (world size, table version) of every step and the resize plan's progress: plain

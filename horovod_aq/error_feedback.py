@@ -313,7 +313,10 @@ class ErrorFeedback:
         return settings_fingerprint(self.config(), q.bits, q.bucket_size, q.table, q.step)
 
     def describe_fingerprint(self, fp: np.ndarray) -> str:
-        return describe_fingerprint(fp) + " (with error feedback)"
+        """The words of the plain quantizer: a mismatch error must read the same on every rank,
+        also where one rank has error feedback and another has not (the settings hash of each
+        rank says which; docs/protocol.md §3)."""
+        return describe_fingerprint(fp)
 
     def state_dict(self) -> dict[str, Any]:
         mem = self.error_memory
@@ -333,7 +336,7 @@ class ErrorFeedback:
             raise ValueError(
                 f"{what}; this one was saved without error feedback (a plain quantizer's "
                 "state). To resume it as saved, build the optimizer with error_feedback=False "
-                "(the default 'auto' adds error feedback at <= 2 bits, docs/quantizers.md §5.9)")
+                "(the default 'auto' adds error feedback at <= 3 bits, docs/quantizers.md §5.9)")
         if missing:
             raise ValueError(f"{what}; this one has no {' or '.join(map(repr, missing))} "
                              f"(its keys: {sorted(map(str, state))})")

@@ -82,19 +82,21 @@ def test_error_feedback_defaults_to_auto_on_every_packed_entry_point(path, funct
     assert ast.literal_eval(defaults["error_feedback"]) == "auto"
 
 
-def test_auto_error_feedback_is_on_at_two_bits_and_off_at_three():
-    """The rule's width (docs/quantizers.md §5.9) and what the DDP hook state, which needs no
-    process group to resolve it, ends up using."""
+def test_auto_error_feedback_is_on_up_to_three_bits_and_off_at_four():
+    """The rule's width (docs/quantizers.md §5.9, §5.10) and what the DDP hook state, which needs
+    no process group to resolve it, ends up using."""
     from horovod_aq import error_feedback_setting
     from horovod_aq.torch.ddp import QuantizedHookState
 
-    assert error_feedback_setting.AUTO_MAX_BITS == 2
-    two, three = horovod_aq.ALQ(bits=2), horovod_aq.ALQ(bits=3)
-    state = QuantizedHookState(two)
-    assert isinstance(state.compression, horovod_aq.ErrorFeedback)
-    assert state.compression.quantizer is two and state.prefix.startswith("ecq.")
-    assert QuantizedHookState(three).compression is three
-    off = QuantizedHookState(horovod_aq.ALQ(bits=2), error_feedback=False)
+    assert error_feedback_setting.AUTO_MAX_BITS == 3
+    for bits in (2, 3):
+        comp = horovod_aq.ALQ(bits=bits)
+        state = QuantizedHookState(comp)
+        assert isinstance(state.compression, horovod_aq.ErrorFeedback)
+        assert state.compression.quantizer is comp and state.prefix.startswith("ecq.")
+    four = horovod_aq.ALQ(bits=4)
+    assert QuantizedHookState(four).compression is four
+    off = QuantizedHookState(horovod_aq.ALQ(bits=3), error_feedback=False)
     assert off.compression.error_memory is None
 
 

@@ -307,7 +307,7 @@ def DistributedOptimizer(
     copy; ``device_dense``, ``device_sparse``, ``gradient_predivide_factor``, ``num_groups`` and
     ``groups`` accept only Horovod's defaults. A ``LossScaleOptimizer`` is rebuilt around a
     distributed copy of its inner optimizer. ``error_feedback``: "auto" (the default) wraps a
-    quantizer of at most 2 bits per code in ``horovod_aq.ErrorFeedback``, True any quantizer,
+    quantizer of at most 3 bits per code in ``horovod_aq.ErrorFeedback``, True any quantizer,
     False none (docs/quantizers.md §5.9); ``compression`` is the compressor used.
 
     The returned object also has ``register_local_var``, ``end_step()``, ``compression``,

@@ -237,7 +237,7 @@ def DistributedGradientTape(
         device_dense, device_sparse, gradient_predivide_factor, num_groups, groups: Horovod's;
             only their defaults are accepted (placement follows the gradients; buckets are
             fused by ``fusion_bytes``).
-        error_feedback: "auto" (the default) wraps a quantizer of at most 2 bits per code in
+        error_feedback: "auto" (the default) wraps a quantizer of at most 3 bits per code in
             ``horovod_aq.ErrorFeedback`` (default coefficients; one INFO line), True any
             quantizer, False none; an ``ErrorFeedback`` given stays as it is. The wrapper is made
             once per compressor, so a tape rebuilt every step keeps one memory

@@ -553,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dm.add_argument("--epochs", type=int, default=DEMO_EPOCHS)
     dm.add_argument("--error-feedback", choices=["auto", "on", "off"], default="auto",
                     help="the example's --error-feedback: auto (the package default: on for "
-                         "quantizers of <= 2 bits, docs/quantizers.md §5.9), on or off")
+                         "quantizers of <= 3 bits, docs/quantizers.md §5.9), on or off")
     dm.add_argument("--seeds", default=DEMO_SEEDS,
                     help="comma-separated seeds; each trains both runs from the same weights")
     dm.add_argument("--out", default=DEMO_OUT,

@@ -152,7 +152,7 @@ class QuantizedHookState:
             Kept in :attr:`coding`, which may be changed between steps (the same on every rank;
             a change measures again); :attr:`autowire` shows the decision, which
             :meth:`state_dict` holds.
-        error_feedback: "auto" (the default) wraps a quantizer of at most 2 bits per code in
+        error_feedback: "auto" (the default) wraps a quantizer of at most 3 bits per code in
             ``horovod_aq.ErrorFeedback`` (default coefficients; one INFO line), True any
             quantizer, False none; an ``ErrorFeedback`` given stays as it is. Resolved at
             construction (:mod:`horovod_aq.error_feedback_setting`, docs/quantizers.md §5.9);

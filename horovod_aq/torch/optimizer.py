@@ -788,7 +788,7 @@ def DistributedOptimizer(
             ``horovod_aq.packed.autowire.AutoWire`` sets the measurement's schedule
             (``AutoWire("auto", warmup_steps=2, measure_steps=8)``). The decision is in
             :meth:`state_dict` (``"horovod_aq_wire"``); :attr:`autowire` shows it.
-        error_feedback: "auto" (the default) wraps a quantizer of at most 2 bits per code in
+        error_feedback: "auto" (the default) wraps a quantizer of at most 3 bits per code in
             ``horovod_aq.ErrorFeedback`` (its default coefficients, one INFO line), True any
             quantizer, False none; an ``ErrorFeedback`` given stays as it is
             (:mod:`horovod_aq.error_feedback_setting`, docs/quantizers.md §5.9).
