@@ -98,6 +98,8 @@ class ErrorMemory:
         self._pending: dict[str, np.ndarray] = {}
         self._updates: dict[str, int] = {}
         self._warned_divergence = False
+        #: Bucket names whose last divergence check found ‖h‖ over the bound.
+        self._over: set[str] = set()
 
     # ---------------------------------------------------------------- the ECQ-SGD rules
     def compensate_value(self, x: Any, h: Any) -> Any:
@@ -124,17 +126,39 @@ class ErrorMemory:
         self.memory[key] = new
         count = self._updates[key] = self._updates.get(key, 0) + 1
         if count % CHECK_EVERY == 0 and not self._warned_divergence:
-            h_norm = math.sqrt(backend.sum_of_squares(new))
-            g_norm = math.sqrt(backend_for(x).sum_of_squares(x))
-            if g_norm > 0 and h_norm > DIVERGENCE_RATIO * self.expected_ratio * g_norm:
-                self._warned_divergence = True
-                gamma = "" if self.gamma is None else f", about {self.gamma:.3g} here"
-                logger.warning(
-                    "%s: error memory %r is %.0fx the gradient: error feedback is unstable for "
-                    "this quantizer (needs alpha^2*gamma + (beta-alpha)^2 < 1, gamma = its "
-                    "relative variance%s; alpha=%g, beta=%g); lower alpha and use beta close to "
-                    "alpha, or leave both to the defaults", self.name, key, h_norm / g_norm,
-                    gamma, self.alpha, self.beta)
+            self._check_divergence(key, new, x, backend)
+
+    def _check_divergence(self, key: str, h: Any, x: Any, backend: Any) -> None:
+        """Warn (once) when ‖h‖ > DIVERGENCE_RATIO·expected_ratio·‖g‖ at two checks in a row.
+
+        One check over the bound is not enough: a single step whose gradient is far smaller than
+        the last few (whose errors h still holds) crosses it while α, β contract (§2.3)."""
+        h_norm = math.sqrt(backend.sum_of_squares(h))
+        g_norm = math.sqrt(backend_for(x).sum_of_squares(x))
+        if not (g_norm > 0 and h_norm > DIVERGENCE_RATIO * self.expected_ratio * g_norm):
+            self._over.discard(key)
+            return
+        if key not in self._over:
+            self._over.add(key)
+            return
+        self._warned_divergence = True
+        lam = None if self.gamma is None else contraction(self.alpha, self.beta, self.gamma)
+        if lam is None or lam >= 1.0:
+            gamma = "" if self.gamma is None else f", about {self.gamma:.3g} here"
+            logger.warning(
+                "%s: error memory %r has stayed above %.0fx the gradient for %d updates: error "
+                "feedback is unstable for this quantizer (needs alpha^2*gamma + (beta-alpha)^2 < "
+                "1, gamma = its relative variance%s; alpha=%g, beta=%g); lower alpha and use beta "
+                "close to alpha, or leave both to the defaults", self.name, key,
+                h_norm / g_norm, CHECK_EVERY, gamma, self.alpha, self.beta)
+        else:
+            logger.warning(
+                "%s: error memory %r has stayed above %.0fx the gradient for %d updates although "
+                "alpha=%g, beta=%g contract for Gaussian buckets of this quantizer "
+                "(alpha^2*gamma + (beta-alpha)^2 = %.3g): its buckets are noisier than Gaussian "
+                "ones or the training is diverging; check the loss, then lower the learning "
+                "rate or alpha", self.name, key, h_norm / g_norm, CHECK_EVERY, self.alpha,
+                self.beta, lam)
 
     def saved(self, key: str, like: Any) -> Any:
         """The memory of ``key``: in use, or loaded from a checkpoint when its shape matches
@@ -160,6 +184,7 @@ class ErrorMemory:
                            f" ({reason})" if reason else "")
         self.memory.clear()
         self._pending.clear()
+        self._over.clear()
 
     #: The pre-redesign name of :meth:`reset`.
     reset_memory = reset

@@ -8,7 +8,9 @@ import pytest
 import horovod_aq
 from horovod_aq import codec
 from horovod_aq.error_feedback import (
+    CHECK_EVERY,
     DEFAULT_BETA,
+    ErrorMemory,
     contraction,
     default_alpha,
     quantizer_gammas,
@@ -234,6 +236,48 @@ def test_ecq_explicit_coefficients_are_kept_and_warned(caplog):
     assert (ef.alpha, ef.beta) == (0.2, DEFAULT_BETA) and not caplog.records   # λ = 0.73
     ef = horovod_aq.ErrorFeedback(q, beta=0.5)                     # α from the rule for β = 0.5
     assert ef.alpha == default_alpha(ef.gamma, ef.gamma_sup, 0.5)
+
+
+def _memory_warnings(memory: ErrorMemory, gamma_true: float, scales, caplog) -> list[str]:
+    """Drive ``memory`` with N(0, I) gradients times ``scales`` through an unbiased quantizer of
+    relative variance ``gamma_true`` (E‖Q(v) − v‖² = γ‖v‖²) and return the warnings it logs."""
+    rng = np.random.default_rng(0)
+    n = 256
+    with caplog.at_level("WARNING", logger="horovod_aq"):
+        for scale in scales:
+            g = rng.standard_normal(n) * scale
+            v = memory.compensate("b", g)
+            noise = rng.standard_normal(n) * np.sqrt(gamma_true / n) * np.linalg.norm(v)
+            memory.update("b", g, v + noise)
+    return [r.getMessage() for r in caplog.records if "x the gradient" in r.getMessage()]
+
+
+def test_ecq_divergence_warning_needs_the_memory_to_stay_large(caplog):
+    # a default pair for γ ≈ 0.089 (the demo's 3-bit table) contracts. A gradient 1000x smaller
+    # than the last few at a check, now and then, must not be called unstable (it used to be, in
+    # `make demo`); memory that keeps growing must be, after two checks (α = β = 1, γ = 1.5:
+    # λ = 1.5).
+    gamma = 0.0888
+    alpha = default_alpha(gamma, gamma)
+    steps = 4 * CHECK_EVERY
+    dips = [1e-3 if t + 1 in (CHECK_EVERY, 3 * CHECK_EVERY) else 1.0 for t in range(steps)]
+
+    def build(a, b, gamma_model):
+        lam = contraction(a, b, gamma_model)
+        return ErrorMemory(alpha=a, beta=b, gamma=gamma_model,
+                           expected_ratio=np.sqrt(gamma_model / (1 - lam)) if lam < 1 else 1.0)
+
+    assert _memory_warnings(build(alpha, DEFAULT_BETA, gamma), gamma, dips, caplog) == []
+    caplog.clear()
+    warned = _memory_warnings(build(1.0, 1.0, 1.5), 1.5, [1.0] * (2 * CHECK_EVERY), caplog)
+    assert len(warned) == 1 and "unstable for this quantizer" in warned[0], warned
+    caplog.clear()
+    # α, β that contract for the stated γ, fed buckets 100x noisier: the memory grows, and the
+    # warning says the pair is fine for Gaussian buckets and what to check instead
+    warned = _memory_warnings(build(alpha, DEFAULT_BETA, gamma), 100 * gamma,
+                              [1.0] * (3 * CHECK_EVERY), caplog)
+    assert len(warned) == 1 and "although alpha=" in warned[0] \
+        and "lower the learning rate or alpha" in warned[0], warned
 
 
 def test_ecq_defaults_are_fixed_through_refits_and_reload():
