@@ -18,12 +18,15 @@ launcher acts on it. The launcher starts the third worker, or stops it, and ever
 from the last ``state.commit()``. The worker that leaves ends the way Horovod 0.28.1 stops one
 (``localhost[2] has been removed from elastic job``, exit status 134); horovodrun exits with 0.
 
-What carries the compressor across a change of world: ``import horovod_aq.torch.elastic`` and
+What carries the compressor across a change of world (docs/horovod_compat.md § Elastic
+Horovod): with the packed optimizer, Horovod's own pattern as written,
+``hvd.elastic.TorchState(model, optimizer, ...)``: the optimizer's ``state_dict()`` holds the
+compressor's table, version and step and never communicates, so Horovod's optimizer handler
+saves it at every commit, also on a worker that joins. With Horovod's stock optimizer the state
+holds no compressor: ``import horovod_aq.torch.elastic`` and
 ``hvd.elastic.TorchState(model, optimizer, compression=comp, ...)``. At every sync rank 0's
 table, version and step (and the weights and optimizer state, as Horovod does) go to every
-rank; each rank keeps its own random stream (docs/horovod_compat.md § Elastic Horovod). With the
-packed optimizer the state holds ``optimizer.compression``, the object it quantizes with (at
-<= 3 bits the ``ErrorFeedback`` that ``error_feedback="auto"`` puts around ``comp``).
+rank; each rank keeps its own random stream.
 
 The global batch (``--global-batch``, default 96) is the same at every world size and split
 evenly over the ranks, so a run that resizes sees the same samples in the same steps as one that
@@ -57,7 +60,7 @@ from torch_net import Net, evaluate  # noqa: E402  (examples/torch_net.py)
 
 import horovod_aq  # noqa: E402
 import horovod_aq.torch as aqt  # noqa: E402
-import horovod_aq.torch.elastic  # noqa: E402,F401  (TorchState carries a horovod_aq compressor)
+import horovod_aq.torch.elastic  # noqa: E402,F401  (the stock path's compression= in TorchState)
 from horovod_aq.tools.datasets import load_mnist_5k  # noqa: E402
 
 #: How long ``--resize`` waits for the launcher to act on a request, and how often it asks.
@@ -128,19 +131,20 @@ def main(argv: list[str] | None = None) -> dict:
         """The level table's version (-1: the compression has no table)."""
         return comp.table.version if comp.quantizes else -1
 
+    # (world size, table version) of every step and the resize plan's progress: plain
+    # objects, synced from rank 0
+    progress = {"epoch": 0, "batch": 0, "steps": [], "plan_at": 0}
     if args.exchange == "stock":
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                        compression=comp)
+        state = hvd.elastic.TorchState(model, opt, compression=comp, **progress)
     else:
         opt = aqt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                        compression=comp, exchange=args.exchange)
-        # What the optimizer quantizes with: at <= 3 bits error_feedback="auto" wraps comp in
-        # ErrorFeedback, whose memory TorchState must then carry (save/restore) as well.
+        state = hvd.elastic.TorchState(model, opt, **progress)    # Horovod's pattern as written
+        # what the optimizer quantizes with (at <= 3 bits error_feedback="auto" wraps comp in
+        # ErrorFeedback), for the fingerprint
         comp = opt.compression
-    # (world size, table version) of every step and the resize plan's progress: plain
-    # objects, synced from rank 0
-    state = hvd.elastic.TorchState(model, opt, compression=comp, epoch=0, batch=0, steps=[],
-                                   plan_at=0)
 
     def on_reset() -> None:
         if hvd.rank() == 0:

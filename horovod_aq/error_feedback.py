@@ -30,9 +30,10 @@ and random streams) plus an :class:`ErrorMemory` (:attr:`ErrorFeedback.error_mem
 Integrations ask for those two capabilities and never for the class.
 
 The memory is keyed by the packed integrations' fused-bucket names, stored in float32 on the
-gradient's device, never communicated except by a collective checkpoint
-(:func:`gather_memory` / :func:`select_memory`, docs/protocol.md §7). Error compensation makes
-the sent gradient biased, so the package's unbiasedness guarantee does not hold with it.
+gradient's device, and never communicated except when every rank asks for a full checkpoint
+(:func:`consolidate_memory`); a checkpoint otherwise holds this rank's memory, tagged with its
+rank (:func:`checkpoint_state`, :func:`select_memory`, docs/protocol.md §7). Error compensation
+makes the sent gradient biased, so the package's unbiasedness guarantee does not hold with it.
 Horovod's stock ``compression=`` hook passes no parameter identity, so
 :meth:`ErrorFeedback.compress` refuses with an explanation instead of keying memory by call
 order.
@@ -100,6 +101,9 @@ class ErrorMemory:
         self._warned_divergence = False
         #: Bucket names whose last divergence check found ‖h‖ over the bound.
         self._over: set[str] = set()
+        #: Every rank's memory, gathered for a full checkpoint (:func:`consolidate_memory`),
+        #: valid at the step it was gathered at; None: not gathered, or on another rank.
+        self.consolidated: Consolidated | None = None
 
     # ---------------------------------------------------------------- the ECQ-SGD rules
     def compensate_value(self, x: Any, h: Any) -> Any:
@@ -185,6 +189,7 @@ class ErrorMemory:
         self.memory.clear()
         self._pending.clear()
         self._over.clear()
+        self.consolidated = None
 
     #: The pre-redesign name of :meth:`reset`.
     reset_memory = reset
@@ -200,6 +205,7 @@ class ErrorMemory:
         """Replace the memory by a saved :meth:`local_state` (installed lazily, at first use)."""
         self.memory.clear()
         self._pending = {k: np.asarray(v, dtype=np.float32) for k, v in memory.items()}
+        self.consolidated = None
 
 
 def quantizer_gammas(quantizer: Compressor) -> tuple[float, float]:
@@ -392,7 +398,13 @@ class ErrorFeedback:
 ECQ = ErrorFeedback
 
 
-# -------------------------------------------------------------------- collective checkpoints
+# -------------------------------------------------------------------- checkpoints
+#: Keys of a checkpoint's compressor state that say whose error memory it holds
+#: (docs/protocol.md §7): ``"memory_rank"`` (one rank's, with ``"world"``) or
+#: ``"memory_by_rank"`` (every rank's, with ``"world"``).
+MEMORY_RANK, MEMORY_BY_RANK, WORLD = "memory_rank", "memory_by_rank", "world"
+
+
 def memory_layout(buckets: list[tuple[str, int]]) -> np.ndarray:
     """[count, crc32 of "name:numel" lines] of the buckets whose memory is gathered."""
     text = "\n".join(f"{k}:{n}" for k, n in buckets)
@@ -419,8 +431,8 @@ def gather_memory(
     if (layouts != layouts[0]).any():
         raise ValueError(
             f"{name}: the ranks hold error memory for different fused buckets "
-            f"(count, digest per rank: {layouts.tolist()}); call state_dict on every rank after "
-            "the same training steps")
+            f"(count, digest per rank: {layouts.tolist()}); call consolidate_state_dict on "
+            "every rank after the same training steps")
     out: dict[int, dict[str, np.ndarray]] = {r: {} for r in range(world)}
     for key, numel in buckets:
         mine = local.get(key)
@@ -431,34 +443,82 @@ def gather_memory(
     return out
 
 
-def collective_state_dict(compression: Any, buckets: list[tuple[str, int]], world: int,
-                          allgather: Callable[[np.ndarray, str], np.ndarray]) -> dict[str, Any]:
-    """``compression.state_dict()`` with error memory gathered from every rank (collective when
-    the compression carries memory and ``world`` > 1): ``"memory"`` is then empty,
-    ``"memory_by_rank"`` maps each rank to its memory and ``"world"`` is the set size."""
+class Consolidated:
+    """Every rank's error memory as gathered by :func:`consolidate_memory`, kept by the rank
+    that will save it, for the compressor step it was gathered at (a later step makes it
+    stale)."""
+
+    __slots__ = ("step", "by_rank", "world")
+
+    def __init__(self, step: int, by_rank: dict[int, dict[str, np.ndarray]], world: int) -> None:
+        self.step, self.by_rank, self.world = step, by_rank, world
+
+
+def consolidate_memory(compression: Any, buckets: list[tuple[str, int]], *, rank: int,
+                       world: int, to: int,
+                       allgather: Callable[[np.ndarray, str], np.ndarray]) -> None:
+    """The collective half of a full checkpoint (ZeroRedundancyOptimizer's
+    ``consolidate_state_dict(to=0)``): every rank calls it at the same point between steps; rank
+    ``to`` keeps every rank's memory, which its next :func:`checkpoint_state` of the same step
+    saves. Nothing happens without error memory or on one rank (the local state is complete)."""
+    memory = compression.error_memory
+    if memory is None:
+        return
+    if not 0 <= to < world:
+        raise ValueError(f"consolidate_state_dict(to={to!r}): to must be a rank in [0, {world})")
+    by_rank = gather_memory(compression.name, memory.local_state(), buckets, world, allgather)
+    memory.consolidated = (Consolidated(compression.quantizer.step, by_rank, world)
+                           if rank == to else None)
+
+
+def checkpoint_state(compression: Any, *, rank: int, world: int) -> dict[str, Any]:
+    """``compression.state_dict()`` as a checkpoint holds it (docs/protocol.md §7), with no
+    collective: with error memory, this rank's memory tagged with :data:`MEMORY_RANK` and
+    :data:`WORLD` — or, right after :func:`consolidate_memory` kept every rank's memory here
+    (no step since), ``"memory": {}`` and every rank's under :data:`MEMORY_BY_RANK`."""
     state = compression.state_dict()
-    if compression.error_memory is None:
+    memory = compression.error_memory
+    if memory is None:
         return state
-    local = state.pop("memory")
-    state["memory"] = {}
-    state["memory_by_rank"] = gather_memory(compression.name, local, buckets, world, allgather)
-    state["world"] = world
+    full = memory.consolidated
+    if full is not None and full.step == compression.quantizer.step:
+        state["memory"] = {}
+        state[MEMORY_BY_RANK] = full.by_rank
+        state[WORLD] = full.world
+    else:
+        state[MEMORY_RANK] = rank
+        state[WORLD] = world
     return state
 
 
-def select_memory(compression: Any, state: dict[str, Any], rank: int, world: int) -> dict:
+def select_memory(compression: Any, state: dict[str, Any], rank: int, world: int, *,
+                  log: bool = True) -> dict:
     """The state to load on ``rank`` of a set of ``world`` ranks from a
-    :func:`collective_state_dict`: this rank's memory if the number of ranks is unchanged, else
-    none (with a warning; levels and steps are kept). Rank keys may be ints or strings (JSON)."""
-    if compression.error_memory is None or "memory_by_rank" not in state:
+    :func:`checkpoint_state` (or a plain ``state_dict()``, loaded as it is): this rank's
+    memory when the checkpoint holds it — every rank's (:data:`MEMORY_BY_RANK`) or this rank's
+    own (:data:`MEMORY_RANK`) with the same number of ranks — else none, with one log line
+    (``log``): a warning when the number of ranks changed, INFO when the checkpoint holds
+    another rank's memory only (saved on one rank without ``consolidate_state_dict``). Levels
+    and steps are always kept. Rank keys may be ints or strings (JSON)."""
+    if compression.error_memory is None or WORLD not in state:
         return state
     state = dict(state)
-    by_rank, saved_world = state.pop("memory_by_rank"), int(state.pop("world"))
-    if saved_world == world:
+    saved_world = int(state.pop(WORLD))
+    by_rank = state.pop(MEMORY_BY_RANK, None)
+    owner = state.pop(MEMORY_RANK, None)
+    name = compression.name
+    if saved_world != world:
+        if log:
+            logger.warning("%s: error-feedback memory was saved with %d ranks and this job has "
+                           "%d: it restarts from zero (levels and steps are kept)", name,
+                           saved_world, world)
+        state["memory"] = {}
+    elif by_rank is not None:
         state["memory"] = by_rank.get(rank, by_rank.get(str(rank), {}))
-    else:
-        logger.warning("%s: error-feedback memory was saved with %d ranks and this job has %d: "
-                       "it restarts from zero (levels and steps are kept)", compression.name,
-                       saved_world, world)
+    elif owner is not None and int(owner) != rank:
+        if log:
+            logger.info("%s: this checkpoint holds rank %d's error-feedback memory only (saved "
+                        "without consolidate_state_dict): rank %d's restarts from zero (levels "
+                        "and steps are kept)", name, int(owner), rank)
         state["memory"] = {}
     return state

@@ -461,6 +461,41 @@ def trainable_changes(steps=2):
     return {"params": params, "layouts": layouts}
 
 
+def uneven_join(steps, bits=3, **state_kw):
+    """PyTorch's Join context manager over DDP with uneven inputs: rank r trains ``steps[r]``
+    batches; the joined ranks' DDP shadows every bucket through the hook with zeros (every
+    hook default: error feedback at 3 bits, wire="auto")."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import horovod_aq
+    from horovod_aq.torch import ddp as aqddp
+    from tests.ranks import tiny_model
+
+    rank = dist.get_rank()
+    model = tiny_model(torch, 0, SIZES)
+    net = DDP(model, bucket_cap_mb=CAP_MB)
+    state = aqddp.register(net, horovod_aq.ALQ(bits=bits, schedule="0,2"), **state_kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    started = time.monotonic()
+    with Join([net]):
+        for step in range(steps[rank]):
+            x, y = _batch(rank, step)
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+    q = state.compression.quantizer
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    return {"seconds": time.monotonic() - started, "step": q.step, "version": q.table.version,
+            "levels": q.table.levels, "error_feedback": state.compression.error_memory is not None,
+            "weights": hashlib.sha256(weights.tobytes()).hexdigest()}
+
+
 CHECKS = {
     2: [("oracle", {}), ("checksum_exchange", {}),
         ("overflow_marker", {}), ("overflow_marker[two_phase]", {"exchange": "two_phase"}),
@@ -476,14 +511,15 @@ CHECKS = {
         ("oracle[entropy]", {"wire": "entropy", "steps": 3}),
         ("oracle[entropy_two_phase]", {"exchange": "two_phase", "wire": "entropy", "steps": 3}),
         ("raise_nonfinite[entropy_two_phase]", {"exchange": "two_phase", "wire": "entropy"}),
-        ("auto_wire", {}), ("trainable_changes", {})],
+        ("auto_wire", {}), ("trainable_changes", {}), ("uneven_join", {"steps": (6, 3)})],
     4: [("oracle", {"exchange": "two_phase", "steps": 3}), ("oracle[allgather]",
                                                             {"exchange": "allgather", "steps": 2}),
         ("unbiased", {"exchange": "two_phase", "steps": 150}),
         ("quantized_training", {"exchange": "two_phase", "steps": 20}),
         ("resume", {"exchange": "two_phase", "method": "dqsgd", "target_bits": 3,
                     "max_bits": 4, "window": 3, "levels": "alq", "schedule": "0,4,0"}),
-        ("raise_nonfinite", {"exchange": "two_phase"})],
+        ("raise_nonfinite", {"exchange": "two_phase"}),
+        ("uneven_join", {"steps": (7, 3, 5, 4), "exchange": "two_phase"})],
 }
 
 
@@ -758,6 +794,20 @@ print("steps", state.compression.step, "ranks", state.ranks,
       "records", len(state.telemetry.history))
 destroy_and_exit()
 """
+
+
+@pytest.mark.reads("uneven_join")
+def test_uneven_inputs_under_torch_join(results):
+    """docs/ddp.md § Uneven inputs: every rank leaves the Join context in the time of its
+    steps, having made the same compressor steps and refits (the joined ranks' DDP runs the
+    hook on zero buckets), and DDP's final broadcast leaves identical replicas."""
+    runs = _get(results, "uneven_join")
+    steps = dict(CHECKS[results[0]])["uneven_join"]["steps"]
+    for r in runs:
+        assert r["error_feedback"] and r["seconds"] < 60, r
+        assert (r["step"], r["version"]) == (max(steps), runs[0]["version"]) and r["version"] > 1
+        np.testing.assert_array_equal(r["levels"], runs[0]["levels"])
+    assert len({r["weights"] for r in runs}) == 1
 
 
 def test_hook_state_is_built_before_the_process_group(tmp_path):

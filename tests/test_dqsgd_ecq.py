@@ -163,6 +163,58 @@ def test_ecq_state_dict_keeps_memory():
             ef.state_dict())
 
 
+def test_checkpoints_hold_this_ranks_memory_or_every_ranks_after_consolidation(caplog):
+    """docs/protocol.md §7: checkpoint_state never communicates and tags the memory with its
+    rank; consolidate_memory (every rank) keeps every rank's on rank ``to`` until the next step;
+    select_memory gives each rank its own where the checkpoint holds it, else zero (one line)."""
+    import logging
+
+    from horovod_aq.error_feedback import checkpoint_state, consolidate_memory, select_memory
+
+    world = 3
+    efs = [horovod_aq.ErrorFeedback(horovod_aq.QSGD(bits=2)) for _ in range(world)]
+    for r, ef in enumerate(efs):
+        ef.update("b0", np.full(4, r + 1.0, np.float32), np.zeros(4, np.float32))
+    local = checkpoint_state(efs[1], rank=1, world=world)
+    assert (local["memory_rank"], local["world"]) == (1, world)
+    np.testing.assert_array_equal(local["memory"]["b0"], np.full(4, 2.0, np.float32))
+    assert checkpoint_state(horovod_aq.QSGD(bits=2), rank=1, world=world) == \
+        horovod_aq.QSGD(bits=2).state_dict()            # no memory: nothing to tag
+
+    calls = []
+
+    def allgather_of(mine):   # the framework's allgather over the three ranks' memories
+        def allgather(rows, name):
+            calls.append(name)
+            if name.endswith(".layout"):
+                return np.concatenate([rows] * world)
+            return np.stack([ef.error_memory.local_state()["b0"] for ef in efs])
+        return allgather
+    for r, ef in enumerate(efs):   # every rank calls it; rank 0 keeps what it gathered
+        consolidate_memory(ef, [("b0", 4)], rank=r, world=world, to=0,
+                           allgather=allgather_of(ef))
+    assert calls[:2] == [f"aq.efstate.{efs[0].name}.layout", "aq.efstate.b0"]
+    full = checkpoint_state(efs[0], rank=0, world=world)
+    assert full["memory"] == {} and full["world"] == world and "memory_rank" not in full
+    assert checkpoint_state(efs[2], rank=2, world=world)["memory_rank"] == 2
+    with pytest.raises(ValueError, match="to must be a rank"):
+        consolidate_memory(efs[0], [("b0", 4)], rank=0, world=world, to=3,
+                           allgather=allgather_of(efs[0]))
+    for r in range(world):   # resume with the same ranks: everyone's own, from either kind
+        got = select_memory(efs[r], full, r, world)["memory"]["b0"]
+        np.testing.assert_array_equal(got, np.full(4, r + 1.0, np.float32))
+    with caplog.at_level(logging.INFO, logger="horovod_aq.error_feedback"):
+        assert select_memory(efs[1], local, 1, world)["memory"] == local["memory"]
+        assert not caplog.records
+        assert select_memory(efs[0], local, 0, world)["memory"] == {}     # rank 1's, not 0's
+        assert select_memory(efs[0], local, 0, world + 1)["memory"] == {}  # another world
+    said = [rec.getMessage() for rec in caplog.records]
+    assert len(said) == 2 and "holds rank 1's error-feedback memory only" in said[0]
+    assert "consolidate_state_dict" in said[0] and "saved with 3 ranks" in said[1]
+    efs[0].inner.step += 1   # a step later the gathered memory is stale: local again
+    assert checkpoint_state(efs[0], rank=0, world=world)["memory_rank"] == 0
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_ecq_beats_plain_qsgd_on_least_squares(seed):
     # The ECQ-SGD paper's synthetic linear regression (Syn-256): 4 workers, lr 0.02, 300 steps,

@@ -27,6 +27,7 @@ import horovod_aq
 from horovod_aq.elastic import synced_state
 from horovod_aq.packed.world import World, replan_reason
 from horovod_aq.tools.launcher import ElasticRun, run_elastic, run_local
+from tests import launches
 from tests.ranks import init_torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +49,13 @@ ACCURACY_NOISE = 0.05
 #: with fusion off (HOROVOD_FUSION_THRESHOLD=0, which the test sets so that its outcome does not
 #: depend on timing). Its bound adds that run-to-run spread (0.033) to the fixed-size noise.
 STOCK_ACCURACY_NOISE = 0.05 + 0.033
+#: The packed optimizer at 4 bits (no error feedback) runs the same every time, but its seed-0
+#: accuracy depends on where the world changes (the ranks' samples and rounding noise then
+#: differ): 0.897 with --resize 12:3,12:2 (the test's), 0.938 with 12:3, 0.939 with 40:3,12:2,
+#: 0.944 / 0.946 at a fixed 2 / 3 ranks, and the stock path 0.949 with the test's resize. Its
+#: bound adds that spread (0.042) to the fixed-size noise; at 2 and 3 bits (error feedback) the
+#: test's run is within ACCURACY_NOISE (0.943 at 3 bits).
+PACKED_4BIT_ACCURACY_NOISE = 0.05 + 0.042
 
 
 # ---------------------------------------------------------------------- the rule
@@ -220,14 +228,16 @@ def test_stock_path_survives_the_world_growing_and_shrinking(tmp_path, fixed_siz
 
 
 @pytest.mark.multiprocess
-def test_packed_optimizer_survives_the_world_growing_and_shrinking(tmp_path,
+@pytest.mark.parametrize("bits", launches.params([3, 2, 4], slow=[2, 4]))
+def test_packed_optimizer_survives_the_world_growing_and_shrinking(tmp_path, bits,
                                                                   fixed_size_fp32_accuracy):
-    """The packed optimizer re-plans its exchange at the first step in every new world (one
-    info line per re-plan; the handshake agrees again) and trains on. At 2 bits, so that
-    ``error_feedback="auto"`` puts ErrorFeedback around ALQ and TorchState carries the wrapper
-    (``optimizer.compression``) with its error memory through commits, syncs and re-plans."""
-    metrics, run = _elastic_example(tmp_path, "two_phase", bits=2)
-    assert metrics["error_feedback"] is True, metrics
+    """Horovod's elastic pattern as written, ``hvd.elastic.TorchState(model, optimizer, ...)``
+    with the packed optimizer and every exchange default, at 2, 3 and 4 bits (error feedback
+    on at 2 and 3: the optimizer's ``state_dict()``, which Horovod's handler calls on a worker
+    that joins, never communicates). The optimizer re-plans its exchange at the first step in
+    every new world (one info line per re-plan; the handshake agrees again) and trains on."""
+    metrics, run = _elastic_example(tmp_path, "auto", bits=bits)
+    assert metrics["error_feedback"] is (bits <= 3), metrics
     _check_elastic_run(metrics, run.tail())
     # one info line per re-plan, on each rank that was in the world before the change (the
     # joining worker is built in the new world and has nothing to re-plan)
@@ -235,5 +245,6 @@ def test_packed_optimizer_survives_the_world_growing_and_shrinking(tmp_path,
     grew = [line for line in replans if "from 2 ranks" in line and "to 3 ranks" in line]
     shrank = [line for line in replans if "from 3 ranks" in line and "to 2 ranks" in line]
     assert len(grew) == 2 and len(shrank) == 2 and len(replans) == 4, replans
-    assert abs(metrics["test_acc"] - fixed_size_fp32_accuracy) < ACCURACY_NOISE, (
+    noise = PACKED_4BIT_ACCURACY_NOISE if bits == 4 else ACCURACY_NOISE
+    assert abs(metrics["test_acc"] - fixed_size_fp32_accuracy) < noise, (
         metrics["test_acc"], fixed_size_fp32_accuracy)

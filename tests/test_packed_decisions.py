@@ -301,3 +301,79 @@ def test_the_agreement_on_what_trains_fails_alike_on_every_rank():
     assert agree_first(handshake_due=True, handshaken_in_world=True)
     assert not agree_first(handshake_due=True, handshaken_in_world=False)
     assert not agree_first(handshake_due=False, handshaken_in_world=True)
+
+
+def test_the_agreement_travels_as_sums_that_count_the_ranks_and_detect_any_difference():
+    """docs/protocol.md §3.1: [1, x, x²] summed over the ranks that took part; A·Q = S² for every
+    limb exactly when every row is the same (Cauchy–Schwarz). Checked on rows where a plain sum
+    could not tell (the mean of three rows equal to one of them), on random rows, at the int64
+    bound, and with joined ranks (they add zeros)."""
+    from horovod_aq.packed.protocol import ConfigMismatchError
+    from horovod_aq.packed.trainable import (
+        MAX_SUM_RANKS,
+        agreement_sums,
+        agreement_terms,
+        check_agreement,
+        check_agreement_sums,
+        refuse_joined,
+    )
+
+    def summed(rows):   # what the allreduce gives; a joined rank adds zeros
+        return sum(agreement_terms(r) for r in rows)
+
+    row = np.array([0xDEADBEEF, 12, 9_400_000_000, 0x12345678], np.int64)
+    assert agreement_terms(row).shape == (33,)
+    assert agreement_sums(summed([row] * 5)) == (5, True)
+    # a sum alone would pass this: the middle row is the mean of the three
+    low, mid, high = row.copy(), row.copy(), row.copy()
+    low[1], mid[1], high[1] = 11, 12, 13
+    assert agreement_sums(summed([low, mid, high])) == (3, False)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows = [rng.integers(0, 2**32, 4, dtype=np.int64) for _ in range(rng.integers(2, 9))]
+        if rng.random() < 0.5:
+            rows = [rows[0]] * len(rows)
+        same = all(np.array_equal(r, rows[0]) for r in rows)
+        assert agreement_sums(summed(rows)) == (len(rows), same)
+    top = np.full(4, -1, np.int64)   # every limb 0xFFFF: the sums' bound
+    assert agreement_sums(agreement_terms(top) * MAX_SUM_RANKS) == (MAX_SUM_RANKS, True)
+    # two of three ranks still train (the third joined: zeros) and agree
+    assert check_agreement_sums(summed([row, row]), 3, gather_rows=None) == 2
+    with pytest.raises(ConfigMismatchError, match="while 1 of 3 ranks joined"):
+        check_agreement_sums(summed([low, high]), 3, gather_rows=None)
+    with pytest.raises(ConfigMismatchError, match="rank 1: 13 tensors"):   # every rank: rows
+        check_agreement_sums(summed([low, high]), 2, gather_rows=lambda: np.stack([low, high]))
+    with pytest.raises(ValueError, match="up to 32768 ranks"):
+        check_agreement_sums(summed([row]), MAX_SUM_RANKS + 1, gather_rows=None)
+    refuse_joined(2, 2, "aq.trainable.k")
+    with pytest.raises(JoinedRankError, match="1 of 2 ranks called hvd.join()"):
+        refuse_joined(1, 2, "aq.trainable.k")
+    with pytest.raises(JoinedRankError, match="rank\\(s\\) 1 called hvd.join()"):
+        check_agreement(np.stack([row, np.zeros(4, np.int64)]))   # a zero row: joined
+
+
+def test_the_watchdog_ends_a_wait_that_cannot_poll_once_and_names_it():
+    from horovod_aq.packed.watchdog import Watchdog
+
+    expired = []
+    dog = Watchdog(expired.append)
+    assert dog.arm(waiting.Deadline(None), "aq.ag.x") == 0       # no deadline: not watched
+    token = dog.arm(waiting.Deadline(0.05, step=lambda: 3), "aq.ag.x", "x")
+    dog.disarm(token)                                           # done in time
+    time.sleep(0.15)
+    assert expired == [] and dog.stalled is None
+    dog.arm(waiting.Deadline(0.05, step=lambda: 7), "aq.trainable.k, aq.ag.x", None,
+            waiting.EXCHANGING)
+    dog.arm(waiting.Deadline(30.0), "aq.ag.y")
+    dog.settle(5.0)     # nothing stalled yet: returns at once
+    deadline = time.monotonic() + 5
+    while dog.stalled is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dog.settle(5.0)
+    assert len(expired) == 1 and expired[0] is dog.stalled
+    message = str(dog.stalled)
+    assert ("collective 'aq.trainable.k, aq.ag.x' did not complete within 0.05 s at step 7"
+            in message)
+    assert dog.arm(waiting.Deadline(0.01), "aq.ag.z") == 0     # after a stall nothing more
+    time.sleep(0.05)
+    assert len(expired) == 1

@@ -180,9 +180,9 @@ def train_steps(first: int, last: int, checkpoint: str | None = None, save: str 
         F.cross_entropy(model(x), y).backward()
         opt.step()
     if save:
-        opt_state = opt.state_dict()   # collective with error feedback: every rank calls it
-        if hvd.rank() == 0:
-            torch.save({"model": model.state_dict(), "optimizer": opt_state}, save)
+        opt.consolidate_state_dict(to=0)   # every rank: rank 0 keeps every rank's memory
+        if hvd.rank() == 0:                # Horovod's pattern: state_dict() on rank 0 only
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, save)
         hvd.barrier()
     return {"weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy(),
             "table": comp.table.levels, "version": comp.table.version, "step": comp.step,

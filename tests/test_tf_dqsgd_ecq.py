@@ -182,10 +182,17 @@ def ecq_in_function(exchange: str, steps: int = 3, comp=None):
             local.append(_local(tf, v, x, y))
             per_step.append(sorted(rec.entries[n:], key=lambda e: e[2]))
             ef_norms.append(holder["tape"].telemetry.last.extra.get("ef_memory_norm"))
-    state = checkpoint.state_dict(comp)                 # collective: every rank's memory
+    own = checkpoint.state_dict(comp)["memory"]         # no collective: this rank's memory
+    gathered = []
+    for to in range(hvd.size()):                        # every rank: each keeps all in turn
+        checkpoint.consolidate_state_dict(comp, to=to)
+        gathered.append(checkpoint.state_dict(comp))
+    state = gathered[hvd.rank()]
     names = [f"{i}:{k}" for i, k in enumerate(v)]
     return {"entries": per_step, "buckets": holder["tape"].buckets, "names": names,
-            "local": [dict(zip(names, g)) for g in local], "grads": grads,
+            "local": [dict(zip(names, g)) for g in local], "grads": grads, "own": own,
+            "elsewhere": [g.get("memory_rank") for k, g in enumerate(gathered)
+                          if k != hvd.rank()],
             "tables": tables, "memory_by_rank": state["memory_by_rank"], "world": state["world"],
             "memory_keys": sorted(comp.memory), "ef_norms": ef_norms,
             "traces": train_step.experimental_get_tracing_count()}
@@ -251,12 +258,12 @@ def ecq_checkpoint():
         checkpoint.load_state_dict(c, {**saved, "world": 3})
     finally:
         logging.getLogger("horovod_aq.error_feedback").removeHandler(handler)
-    return {"world": saved["world"], "ranks": sorted(saved["memory_by_rank"]),
-            "keys": sorted(saved["memory_by_rank"][hvd.rank()]), "buckets": len(a.memory),
-            "nonzero": all(np.any(m) for m in saved["memory_by_rank"][hvd.rank()].values()),
+    return {"world": saved["world"], "owner": saved["memory_rank"],
+            "keys": sorted(saved["memory"]), "buckets": len(a.memory),
+            "nonzero": all(np.any(m) for m in saved["memory"].values()),
             "fresh_identical": _same(ga, gb), "rollback_identical": _same(ga2, ga),
             "step": a.step, "traces": fa.experimental_get_tracing_count(),
-            "dropped": checkpoint.state_dict(c)["memory_by_rank"], "warnings": messages}
+            "dropped": checkpoint.state_dict(c)["memory"], "warnings": messages}
 
 
 def ecq_nonfinite_skip():
@@ -427,8 +434,11 @@ def test_ecq_in_function_follows_the_rules(launch, check):
     for rank, r in enumerate(results):
         assert r["traces"] == 1
         assert r["world"] == 2 and sorted(r["memory_by_rank"]) == [0, 1]
+        assert r["elsewhere"] == [rank], "consolidated on another rank: this one keeps its own"
         assert r["memory_keys"] == sorted(b[0] for b in r["buckets"])
-        assert sorted(r["memory_by_rank"][rank]) == r["memory_keys"]
+        assert sorted(r["memory_by_rank"][rank]) == r["memory_keys"] == sorted(r["own"])
+        for name in r["memory_keys"]:
+            np.testing.assert_array_equal(r["memory_by_rank"][rank][name], r["own"][name])
         hs = {}
         for name, numel, mode, params in r["buckets"]:
             assert mode == ("two_phase" if check is ecq_two_phase else "allgather")
@@ -459,13 +469,13 @@ def test_ecq_in_function_follows_the_rules(launch, check):
 
 @pytest.mark.reads("ecq_checkpoint")
 def test_ecq_checkpoint_round_trip(launch):
-    for r in _get(launch, ecq_checkpoint):
-        assert r["world"] == 2 and r["ranks"] == [0, 1]
+    for rank, r in enumerate(_get(launch, ecq_checkpoint)):
+        assert r["world"] == 2 and r["owner"] == rank
         assert r["keys"] and len(r["keys"]) == r["buckets"] and r["nonzero"]
         assert r["fresh_identical"], "a compressor loaded from state_dict continues bitwise"
         assert r["rollback_identical"], "a traced compressor rolled back continues bitwise"
         assert r["step"] == 3 and r["traces"] == 1
-        assert r["dropped"] == {0: {}, 1: {}}, "another world size restarts from zero"
+        assert r["dropped"] == {}, "another world size restarts from zero"
         assert any("saved with 3 ranks" in m and "restarts from zero" in m
                    for m in r["warnings"]), r["warnings"]
 

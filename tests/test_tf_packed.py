@@ -1056,19 +1056,19 @@ def lr_callbacks():
 
 
 class AgreementCounter:
-    """Count, per rank, every run of the per-step agreement on what trains (the allgathers
-    named ``aq.trainable.*``), through Horovod's public ``allgather``: each one gets a
+    """Count, per rank, every run of the per-step agreement on what trains (the allreduces of
+    sums named ``aq.trainable.*``), through Horovod's public ``allreduce``: each one gets a
     ``tf.py_function`` tick that runs with it, eagerly and in every graph run. Install it
     before the exchange traces; ``with`` restores Horovod's function."""
 
     def __init__(self, tf, hvd):
         self.tf, self.hvd, self.names = tf, hvd, []
-        self._original = hvd.allgather
+        self._original = hvd.allreduce
 
     def __enter__(self):
         tf, original = self.tf, self._original
 
-        def allgather(tensor, name=None, **kwargs):
+        def allreduce(tensor, name=None, **kwargs):
             out = original(tensor, name=name, **kwargs)
             if name is None or not name.startswith("aq.trainable."):
                 return out
@@ -1080,11 +1080,11 @@ class AgreementCounter:
             with tf.control_dependencies([tf.py_function(tick, [], tf.bool)]):
                 return tf.identity(out)
 
-        self.hvd.allgather = allgather
+        self.hvd.allreduce = allreduce
         return self
 
     def __exit__(self, *exc):
-        self.hvd.allgather = self._original
+        self.hvd.allreduce = self._original
         return False
 
     @property
@@ -1194,6 +1194,79 @@ def tape_one_rank_changes():
     return {"type": "no error"}
 
 
+def joined_rank():
+    """Uneven steps on the TensorFlow exchange: rank 1 runs two steps and calls hvd.join();
+    rank 0's third step stops at once with JoinedRankError (the agreement's allreduce of sums
+    counts one rank), before any other collective, then rank 0 joins too and both return."""
+    tf, hvd = init_tf()
+    import horovod_aq.tensorflow as aqtf
+
+    v = _variables(tf, seed=6)
+    comp = _compressor("qsgd")
+    started = time.monotonic()
+    out = {"error": None}
+    try:
+        for step in range(3 if hvd.rank() == 0 else 2):
+            with tf.GradientTape() as tape:
+                loss = _loss(tf, v, hvd.rank(), step)
+            tape = aqtf.DistributedGradientTape(tape, comp, fusion_bytes=FUSION_BYTES)
+            tape.gradient(loss, list(v.values()))
+    except Exception as exc:  # noqa: BLE001
+        out["error"] = (type(exc).__name__, str(exc))
+    out["last"] = int(hvd.join())
+    out["seconds"] = time.monotonic() - started
+    return out
+
+
+#: The stall timeout of the stalled-exchange check (seconds).
+STALL_S = 4.0
+
+
+def stalled_exchange():
+    """docs/protocol.md §15 on TensorFlow: the ranks step different exchanges (two compressors'
+    tapes over different sources, one rank out of line). With a short stall timeout each rank's
+    watchdog logs ExchangeStalledError naming the step's collectives and shuts Horovod down:
+    rank 0's eager tape raises that error, rank 1's ``tf.function`` step TensorFlow's error with
+    Horovod's text (or both see the other rank's shutdown first) — no rank hangs. Leaves Horovod
+    shut down: last in its launch."""
+    import logging
+
+    tf, hvd = init_tf()
+    import horovod_aq.tensorflow as aqtf
+
+    lines = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logging.getLogger("horovod_aq").addHandler(Grab(level=logging.ERROR))
+    v = _variables(tf, seed=5)
+    groups = (("w1", "b1"), ("w2", "b2", "w3"))
+    comps = {sources: _compressor("qsgd") for sources in groups}   # two exchanges
+
+    def step(sources, k):
+        with tf.GradientTape() as tape:
+            loss = _loss(tf, v, hvd.rank(), k)
+        tape = aqtf.DistributedGradientTape(tape, comps[sources], fusion_bytes=FUSION_BYTES,
+                                            stall_timeout_s=STALL_S)
+        return tape.gradient(loss, [v[n] for n in sources])
+
+    graph_step = tf.function(lambda: step(groups[1], 1), autograph=False)
+    for sources in groups:          # both exchanges once, together (their handshakes)
+        step(sources, 0)
+    started = time.monotonic()
+    try:
+        if hvd.rank() == 0:
+            step(groups[0], 1)      # eager
+        else:
+            graph_step()            # in tf.function
+    except Exception as exc:  # noqa: BLE001
+        return {"type": type(exc).__name__, "text": str(exc),
+                "seconds": time.monotonic() - started, "logged": lines}
+    return {"type": "no error", "seconds": time.monotonic() - started, "logged": lines}
+
+
 def keras_one_rank_changes():
     """Keras model.fit: only rank 0 unfreezes the body and compiles with a new optimizer.
     Rank 0 raises ConfigMismatchError at the trace of its new train function, rank 1 the same
@@ -1244,12 +1317,14 @@ SEED_CHECKS = {"gloo": [keras_fit_fp32, keras_fit_alq, custom_loop_fp32, custom_
 #: Horovod's Keras/tape features on Keras 3, in their own launch (``-k features``); under MPI the
 #: ones whose collectives run in a condition (the loss-scale decision, the aggregated exchange).
 #: The checks where one rank changes what trains alone come last: they end in an error on every
-#: rank (no collective is left waiting, but nothing after them should depend on it).
+#: rank (no collective is left waiting, but nothing after them should depend on it); the stalled
+#: exchange, which shuts Horovod down, after them.
 FEATURE_CHECKS = {"gloo": [mixed_precision_overflow, embedding_text_model, gradient_aggregation,
                            optimizer_copies, local_sources, lr_callbacks, change_what_trains,
-                           tape_one_rank_changes, keras_one_rank_changes],
+                           tape_one_rank_changes, keras_one_rank_changes, joined_rank,
+                           stalled_exchange],
                   "mpi": [mixed_precision_overflow, gradient_aggregation, change_what_trains,
-                          keras_one_rank_changes]}
+                          keras_one_rank_changes, joined_rank, stalled_exchange]}
 
 
 #: fixture -> controller -> the checks its launch runs (tests/launches.py)
@@ -1807,6 +1882,35 @@ def _assert_agreement_error(results, types, counts):
 def test_features_one_rank_changing_the_tapes_sources_stops_every_rank(features):
     _assert_agreement_error(_get(features, tape_one_rank_changes),
                             ["ConfigMismatchError", "ConfigMismatchError"], [5, 3])
+
+
+@pytest.mark.reads("joined_rank")
+def test_features_a_joined_rank_stops_the_tf_exchange_at_once(features):
+    r0, r1 = _get(features, joined_rank)
+    assert r1["error"] is None and r0["seconds"] < 60, (r0, r1)
+    kind, message = r0["error"]
+    assert kind == "JoinedRankError", r0["error"]
+    assert "1 of 2 ranks called hvd.join()" in message and "same number of steps" in message
+    assert r0["last"] == r1["last"] == 0
+
+
+@pytest.mark.reads("stalled_exchange")
+def test_features_a_stalled_exchange_ends_with_an_error_on_every_rank(features):
+    results = _get(features, stalled_exchange)
+    named = 0
+    for rank, r in enumerate(results):
+        assert r["type"] != "no error" and r["seconds"] < 60, r    # every rank ends, none hangs
+        stalled = [line for line in r["logged"] if "did not complete within" in line]
+        if stalled:     # this rank's watchdog fired: its log names the step's collectives
+            named += 1
+            assert "collective 'aq.trainable." in stalled[0] and ", aq.ag." in stalled[0]
+            assert f"within {STALL_S:g} s at step 1" in stalled[0], stalled
+            assert "waiting for the gradient exchange" in stalled[0]
+        if rank == 0 and stalled:   # the eager tape raises the ExchangeStalledError itself
+            assert r["type"] == "ExchangeStalledError" and r["text"] == stalled[0], r
+        elif not stalled:           # the other rank shut down first: Horovod's error
+            assert "shut down" in r["text"].lower() or "Horovod" in r["text"], r
+    assert named >= 1, results
 
 
 @pytest.mark.reads("keras_one_rank_changes")

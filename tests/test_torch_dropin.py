@@ -72,10 +72,14 @@ def _base(torch, kind, model):
 
 # ---------------------------------------------------------------- checks (inside the ranks)
 def resume_layouts():
-    """Horovod's checkpoint pattern: a checkpoint saved after 3 steps is loaded on rank 0 only
-    (or on every rank), then hvd.broadcast_parameters + hvd.broadcast_optimizer_state. The
-    resumed step must be bitwise the uninterrupted run's 4th step, with the compressor's step,
-    table version and levels of the checkpoint on every rank."""
+    """Horovod's checkpoint pattern: ``state_dict()`` on rank 0 only after 3 steps (with error
+    feedback, the default at 3 bits, after ``consolidate_state_dict()`` on every rank, so that
+    it holds every rank's memory), loaded on rank 0 only (or on every rank, from every rank's
+    own save), then hvd.broadcast_parameters + hvd.broadcast_optimizer_state. The resumed step
+    must be bitwise the uninterrupted run's 4th step, with the compressor's step, table version
+    and levels of the checkpoint on every rank. "rank0-local": error feedback saved without
+    consolidating: rank 0 gets its memory back, the others restart theirs from zero, the
+    replicas agree."""
     import io
 
     torch, hvd = init_torch()
@@ -84,7 +88,8 @@ def resume_layouts():
     rank = hvd.rank()
     out = {}
     cases = [("rank0", "momentum", _alq), ("rank0", "sgd", _alq), ("rank0", "adam", _alq),
-             ("rank0", "momentum", _ef), ("all", "momentum", _alq)]
+             ("rank0", "momentum", _ef), ("rank0-local", "momentum", _ef),
+             ("all", "momentum", _alq)]
     for layout, kind, make in cases:
         key = f"{layout}-{kind}-{make.__name__}"
         model = tiny_model(torch, 0)
@@ -92,9 +97,13 @@ def resume_layouts():
         opt = aqt.DistributedOptimizer(_base(torch, kind, model), model.named_parameters(), comp,
                                        fusion_bytes=FUSION_BYTES)
         _train(torch, model, opt, rank, 3)
+        if layout == "rank0":   # every rank (error_feedback="auto" wraps ALQ 3-bit too)
+            opt.consolidate_state_dict(to=0)
         buf = io.BytesIO()
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)  # every rank
+        if layout == "all" or rank == 0:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
         saved = (comp.step, comp.quantizer.table.version, comp.quantizer.table.levels.tobytes())
+        memory = _pending_memory_norm(comp) if make is _ef else None
         _train(torch, model, opt, rank, 1, first=3)
         reference = _weights(model)
 
@@ -113,9 +122,18 @@ def resume_layouts():
         hvd.broadcast_optimizer_state(opt2, root_rank=0)
         after = (comp2.step, comp2.quantizer.table.version,
                  comp2.quantizer.table.levels.tobytes())
+        memory2 = _pending_memory_norm(comp2) if make is _ef else None
         _train(torch, model2, opt2, rank, 1, first=3)
-        out[key] = {"saved": saved, "after": after, "identical": _same(_weights(model2), reference)}
+        out[key] = {"saved": saved, "after": after, "identical": _same(_weights(model2), reference),
+                    "weights": _weights(model2), "memory": (memory, memory2)}
     return out
+
+
+def _pending_memory_norm(comp) -> float:
+    """‖h‖ of an ErrorFeedback's memory, loaded or in use (a loaded memory is installed at the
+    first gradient)."""
+    return float(np.sqrt(sum(np.sum(np.square(h, dtype=np.float64))
+                             for h in comp.error_memory.local_state().values())))
 
 
 def fresh_start():
@@ -533,8 +551,15 @@ def test_broadcast_optimizer_state_resumes_every_layout(launch):
     for key in results[0]:
         for r in results:
             assert r[key]["after"] == r[key]["saved"], key   # step, version and levels
-            assert r[key]["identical"], key                 # = the uninterrupted 4th step
+            if not key.startswith("rank0-local"):
+                assert r[key]["identical"], key             # = the uninterrupted 4th step
+            assert _same(r[key]["weights"], results[0][key]["weights"]), key
         assert results[0][key]["saved"][0] == 3
+    full = [r["rank0-momentum-_ef"]["memory"] for r in results]
+    assert all(saved > 0 and after == saved for saved, after in full), full
+    local = [r["rank0-local-momentum-_ef"]["memory"] for r in results]
+    assert local[0][0] > 0 and local[0][1] == local[0][0], local   # rank 0's own memory back
+    assert all(saved > 0 and after == 0.0 for saved, after in local[1:]), local
 
 
 @pytest.mark.multiprocess

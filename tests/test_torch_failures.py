@@ -4,8 +4,9 @@ Each check provokes one way a real training script goes wrong — parameters wit
 a finite gradient too large to quantize, an extra optimizer on one rank, a backward pass that
 fails and is retried, parameters added after wrapping, a tail chunk of zero padding, a rank that
 stops early — and asserts what every rank sees: the same result or the same error, never a
-hang. The checks that leave a collective behind (a joined rank, a stalled exchange) run in a
-launch of their own, with a short stall timeout.
+hang. The check that leaves a collective behind (a stalled exchange) runs in a launch of its
+own, with a short stall timeout. Uneven steps with ``hvd.join()``, which the optimizer supports,
+run in tests/test_horovod_patterns.py.
 """
 
 from __future__ import annotations
@@ -337,13 +338,6 @@ def stall_launch(request):
     return run_local([stalled_exchange], np=2, controller=request.param, timeout=300)
 
 
-@pytest.fixture(scope="module", params=["gloo"])
-def join_launch(request):
-    # Gloo only: under the MPI controller this launch hung in 2 of 3 tries (Horovod's own
-    # join/shutdown after the error; docs/protocol.md §15), so it cannot be a CI test there
-    return run_local([joined_rank], np=2, controller=request.param, timeout=300)
-
-
 # ---------------------------------------------------------------- tests
 def _same_weights(a, b):
     return sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
@@ -440,48 +434,6 @@ def test_a_stalled_exchange_ends_with_an_error_on_every_rank(stall_launch):
         else:   # a rank whose peer ended first may see Horovod's shutdown instead
             assert kind == "HorovodInternalError", r["error"]
     assert stalled >= 1
-
-
-def joined_rank():
-    """17.3: rank 1 runs one step fewer and calls hvd.join(), as Horovod's uneven-data pattern
-    does: rank 0's last step must end with an error (no hang), then rank 0 joins too."""
-    torch, hvd = init_torch()
-    import time
-
-    import horovod_aq.torch as aqt
-
-    rank = hvd.rank()
-    torch.manual_seed(0)
-    a = torch.nn.Parameter(torch.randn(7))
-    opt = aqt.DistributedOptimizer(torch.optim.SGD([a], lr=0.1), [("j", a)], _qsgd(),
-                                   stall_timeout_s=STALL_S)
-    errors = []
-    started = time.monotonic()
-    for step in range(3 if rank == 0 else 2):
-        opt.zero_grad()
-        (a ** 2).sum().backward()
-        err = _error(opt.step)
-        if err is not None:
-            errors.append(err)
-            break
-    joined = _error(hvd.join)
-    return {"errors": errors, "join": joined, "seconds": time.monotonic() - started}
-
-
-@pytest.mark.multiprocess
-def test_a_joined_rank_stops_the_others_with_a_clear_error(join_launch):
-    r0, r1 = join_launch.get(joined_rank)
-    assert r1["errors"] == []   # rank 1 ran its two steps, then joined
-    assert len(r0["errors"]) == 1 and r0["seconds"] < 60
-    kind, message = r0["errors"][0]
-    # no hang: JoinedRankError when the zero-filled row arrives; under Gloo the joined rank's
-    # Horovod may close its connection first, and rank 0 then sees Horovod's error instead
-    assert kind in ("JoinedRankError", "ExchangeStalledError", "HorovodInternalError"), \
-        r0["errors"]
-    if kind == "JoinedRankError":
-        assert "rank(s) 1 called hvd.join()" in message and "same number of steps" in message
-    # Horovod's own join() on the joined rank may fail on a gathered output; it returns
-    assert r0["join"] is None or r0["join"][0] in ("RuntimeError", "HorovodInternalError")
 
 
 # ---------------------------------------------------------------- the core decisions (no ranks)

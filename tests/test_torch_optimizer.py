@@ -328,11 +328,15 @@ def ecq_packed():
     comp = horovod_aq.ErrorFeedback(horovod_aq.QSGD(bits=2, bucket_size=BUCKET, seed=7),
                                     alpha=0.3, beta=0.8)
     opt, rec, grads = _three_recorded_steps(torch, hvd, comp)
-    state = opt.state_dict()["horovod_aq"]
+    local = opt.state_dict()["horovod_aq"]     # no collective: this rank's memory, tagged
+    opt.consolidate_state_dict(to=0)           # every rank: rank 0 keeps every rank's memory
+    full = opt.state_dict()["horovod_aq"]
     return {"entries": rec.entries, "buckets": opt.buckets, "local": grads,
             "levels": comp.table.levels, "version": comp.table.version,
-            "memory_keys": sorted(state["memory_by_rank"][hvd.rank()]),
-            "world": state["world"],
+            "memory_keys": sorted(local["memory"]), "memory": local["memory"],
+            "memory_rank": local["memory_rank"], "world": local["world"],
+            "full": {k: full.get(k) for k in ("memory", "memory_rank", "memory_by_rank",
+                                              "world")},
             "ef_norm": opt.telemetry.last.extra.get("ef_memory_norm")}
 
 
@@ -359,7 +363,7 @@ def ef_auto_two_bits():
             "ef_norm": opt.telemetry.last.extra.get("ef_memory_norm"),
             "saved_memory_norm": float(np.sqrt(sum(
                 float(np.sum(np.square(h))) for h in
-                state.get("memory_by_rank", {}).get(hvd.rank(), {}).values())))}
+                state.get("memory", {}).values())))}
     return out
 
 
@@ -832,10 +836,19 @@ def _assert_ecq_encoded(r, table, alpha, beta, steps=3):
 def test_ecq_on_the_packed_path(launch):
     results = _get(launch, ecq_packed)
     table = _table(results[0])
-    for r in results:
+    for rank, r in enumerate(results):
         assert r["memory_keys"] == sorted(b[0] for b in r["buckets"])
+        assert (r["memory_rank"], r["world"]) == (rank, len(results))
         assert r["ef_norm"] > 0
         _assert_ecq_encoded(r, table, alpha=0.3, beta=0.8)
+    full = results[0]["full"]      # consolidate_state_dict(to=0): every rank's memory on 0
+    assert full["memory"] == {} and full["memory_rank"] is None
+    assert full["world"] == len(results) and sorted(full["memory_by_rank"]) == [0, 1]
+    for rank, r in enumerate(results):
+        for name in r["memory_keys"]:
+            np.testing.assert_array_equal(full["memory_by_rank"][rank][name], r["memory"][name])
+    assert results[1]["full"]["memory_by_rank"] is None   # the other ranks keep their own
+    assert results[1]["full"]["memory_rank"] == 1
 
 
 @pytest.mark.reads("ef_auto_two_bits")

@@ -43,13 +43,18 @@ def joined_rows(magic: Any) -> list[int]:
     return [r for r in range(magic.shape[0]) if not magic[r].any()]
 
 
-def joined_message(ranks: Sequence[int], collective: str) -> str:
-    """Why the ranks still training stop when others joined (docs/protocol.md §15)."""
-    return (f"horovod_aq: rank(s) {', '.join(map(str, ranks))} called hvd.join() (Horovod sent "
-            f"zeros in their place in '{collective}'): the packed exchange needs every rank's "
+def joined_message(ranks: Sequence[int] | str, collective: str) -> str:
+    """Why the ranks still training stop when others joined (docs/protocol.md §15): an exchange
+    that needs every rank's payload (the TensorFlow exchange; the PyTorch optimizer averages
+    joined steps with an allreduce instead, ``horovod_aq.torch.uneven``). ``ranks``: the joined
+    ranks, or words for them ("1 of 2 ranks")."""
+    who = ranks if isinstance(ranks, str) else f"rank(s) {', '.join(map(str, ranks))}"
+    return (f"horovod_aq: {who} called hvd.join() (Horovod sent zeros in their place in "
+            f"'{collective}'): this packed exchange needs every rank's "
             "payload, and joined ranks send none. Run the same number of steps on every rank "
             "(e.g. drop_last=True, or equal shards per rank), or train the uneven tail with "
-            "hvd.DistributedOptimizer, whose allreduce counts joined ranks as zeros")
+            "Horovod's own optimizer or tape, whose allreduce counts joined ranks as zeros; "
+            "horovod_aq.torch.DistributedOptimizer supports hvd.join()")
 
 
 def heads_of(rows: Any) -> list[np.ndarray]:

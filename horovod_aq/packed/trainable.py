@@ -10,11 +10,15 @@ every step with the one it planned for and, when :func:`replan_reason` says so, 
 
 A rank that did not change while the others did would never meet them: its collectives carry
 the old plan's names, and it has no handshake to run. So every rank also contributes
-:func:`agreement_row` to one small allgather per step, named from what the exchange was built
+:func:`agreement_row` to one small collective per step, named from what the exchange was built
 with (:func:`horovod_aq.packed.plan.agreement_name`), which no change of what trains alters. It
 is collected before the rank waits for any gradient of the step, and before a handshake when
 :func:`agree_first` says so; :func:`check_agreement` then raises the same
 :class:`~horovod_aq.packed.protocol.ConfigMismatchError` on every rank.
+
+The PyTorch optimizer sends the row as a sum (:func:`agreement_terms`, one allreduce), the one
+collective Horovod's ``hvd.join()`` supports: a rank that joined contributes zeros, so the sum
+also counts the ranks that still train (:func:`check_agreement_sums`; docs/protocol.md §15).
 
 The TensorFlow exchange (the tape, Keras) makes the same agreement per exchange: Keras plans a new
 layout when it compiles a new optimizer, the tape when it gets other sources; the agreement is
@@ -28,11 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from horovod_aq.packed.protocol import ConfigMismatchError
+from horovod_aq.packed.receive import JoinedRankError, joined_message
 
 #: How many parameter names a re-plan's log line or an error lists before "...".
 SHOWN_NAMES = 4
@@ -116,13 +121,78 @@ def agree_first(*, handshake_due: bool, handshaken_in_world: bool) -> bool:
     return handshake_due and handshaken_in_world
 
 
-def check_agreement(gathered: np.ndarray, framework: str = "torch") -> None:
+#: The agreement's sum form: every int64 field of :func:`agreement_row` is split into
+#: ``LIMBS`` limbs of ``LIMB_BITS`` bits, so that the sums of the limbs' squares over up to
+#: ``MAX_SUM_RANKS`` ranks, times that count, stay below 2⁶³.
+LIMB_BITS, LIMBS = 16, 4
+MAX_SUM_RANKS = 1 << 15
+
+
+def agreement_terms(row: np.ndarray) -> np.ndarray:
+    """What a rank adds to the agreement's allreduce (int64): ``[1, x, x²]``, x the limbs of
+    ``row`` (:data:`LIMB_BITS`-bit pieces of every field, low first)."""
+    shifts = np.arange(LIMBS, dtype=np.uint64) * np.uint64(LIMB_BITS)
+    x = ((np.asarray(row, dtype=np.int64).astype(np.uint64)[:, None] >> shifts)
+         & np.uint64((1 << LIMB_BITS) - 1)).reshape(-1).astype(np.int64)
+    return np.concatenate([[1], x, x * x]).astype(np.int64)
+
+
+def agreement_sums(sums: np.ndarray) -> tuple[int, bool]:
+    """(A, agree) from the sums of :func:`agreement_terms`: the number A of ranks that added
+    their terms (the others called ``hvd.join()`` and added zeros), and whether their rows are
+    all the same.
+
+    With S = Σ x and Q = Σ x² over those A ranks, A·Q ≥ S² (Cauchy–Schwarz), with equality for
+    every limb exactly when every rank's row is the same. Every rank holds the same sums, so
+    every rank decides alike."""
+    sums = np.asarray(sums, dtype=np.int64).reshape(-1)
+    active = int(sums[0])
+    half = (sums.size - 1) // 2
+    s, q = sums[1:1 + half], sums[1 + half:]
+    return active, active > 0 and bool(np.array_equal(active * q, s * s))
+
+
+def check_agreement_sums(sums: np.ndarray, ranks: int,
+                         gather_rows: Callable[[], np.ndarray],
+                         framework: str = "torch") -> int:
+    """The number of ranks that still train (:func:`agreement_sums`), after checking that their
+    rows agree: when they differ, every rank calls ``gather_rows()`` (an allgather of the
+    rows) for :func:`check_agreement`'s message, or, when ranks joined (no allgather is
+    possible then), raises a shorter :class:`ConfigMismatchError`."""
+    if ranks > MAX_SUM_RANKS:
+        raise ValueError(f"the agreement's sums hold up to {MAX_SUM_RANKS} ranks, got {ranks}")
+    active, agree = agreement_sums(sums)
+    if agree:
+        return active
+    if active == ranks:
+        check_agreement(gather_rows(), framework)
+    changes, remedy = AGREEMENT_REMEDY[framework]
+    raise ConfigMismatchError(
+        f"horovod_aq: ranks disagree on which parameters train ({changes}) at this step, "
+        f"while {ranks - active} of {ranks} ranks joined (hvd.join()): {remedy}")
+
+
+def refuse_joined(active: int, ranks: int, collective: str) -> None:
+    """For an exchange that needs every rank's payload (the TensorFlow exchange): raise
+    :class:`~horovod_aq.packed.receive.JoinedRankError` when only ``active`` of ``ranks`` ranks
+    took part in the agreement's sums."""
+    if active < ranks:
+        raise JoinedRankError(joined_message(f"{ranks - active} of {ranks} ranks", collective))
+
+
+def check_agreement(gathered: np.ndarray, framework: str = "torch",
+                    collective: str = "the per-step agreement") -> None:
     """Raise :class:`ConfigMismatchError` unless every rank's row of ``gathered`` is the same;
     the message depends only on the rows (and the ``framework``'s words,
-    :data:`AGREEMENT_REMEDY`), so every rank raises the same one."""
+    :data:`AGREEMENT_REMEDY`), so every rank raises the same one. A row of zeros is a rank that
+    called ``hvd.join()`` (Horovod zero-fills it in a cached allgather): then
+    :class:`~horovod_aq.packed.receive.JoinedRankError`."""
     rows = np.asarray(gathered, dtype=np.int64).reshape(-1, 4)
     if (rows == rows[0]).all():
         return
+    joined = [r for r in range(len(rows)) if not rows[r].any()]
+    if joined:
+        raise JoinedRankError(joined_message(joined, collective))
     changes, remedy = AGREEMENT_REMEDY[framework]
     lines = [f"rank {r}: {int(count)} tensors, {int(numel):,} elements (set {int(digest):08x}), "
              f"layout {int(layout):08x}" for r, (digest, count, numel, layout) in enumerate(rows)]
@@ -131,5 +201,6 @@ def check_agreement(gathered: np.ndarray, framework: str = "torch") -> None:
         f"{remedy}:\n  " + "\n  ".join(lines))
 
 
-__all__ = ["AGREEMENT_REMEDY", "Trainable", "agree_first", "agreement_row", "check_agreement",
-           "replan_reason"]
+__all__ = ["AGREEMENT_REMEDY", "LIMBS", "LIMB_BITS", "MAX_SUM_RANKS", "Trainable", "agree_first",
+           "agreement_row", "agreement_sums", "agreement_terms", "check_agreement",
+           "check_agreement_sums", "refuse_joined", "replan_reason"]

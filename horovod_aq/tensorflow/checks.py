@@ -33,6 +33,7 @@ from horovod_aq.codec import (
 )
 from horovod_aq.codec.rows import tag_rank
 from horovod_aq.packed.protocol import ConfigMismatchError
+from horovod_aq.packed.receive import JoinedRankError
 
 __all__ = ["checksum_check", "data_check", "decoder_header_check", "encoder_header_check",
            "field_value", "translate_error", "values_check"]
@@ -199,13 +200,14 @@ def data_check(rows: tf.Tensor, levels: tf.Tensor, ok: tf.Tensor, average: bool)
     return [tf.cond(ok, lambda: tf.constant(True), refuse)]
 
 
-def translate_error(err: tf.errors.InvalidArgumentError) -> Exception:
+def translate_error(err: tf.errors.OpError) -> Exception:
     """A graph assertion of the exchange as the eager API's exception (PayloadError/ValueError).
 
     Also a ``PayloadError``, ``NonFiniteGradientError`` or ``ConfigMismatchError`` raised on the
     host inside the graph (``tf.numpy_function``: the data checks, the fused decoder, the receive
     decision of ``horovod_aq.packed.receive``, the agreement on what trains of
-    ``horovod_aq.packed.trainable``), whose message TensorFlow wraps as "PayloadError: …"."""
+    ``horovod_aq.packed.trainable``, which also raises ``JoinedRankError``), whose message
+    TensorFlow wraps as "PayloadError: …"."""
     raised = re.search(r"ConfigMismatchError: (.*?)\n(?:Traceback|\n)", err.message, re.S)
     if raised is not None:   # several lines, one per rank
         return ConfigMismatchError(raised.group(1).strip())
@@ -219,6 +221,9 @@ def translate_error(err: tf.errors.InvalidArgumentError) -> Exception:
     raised = re.search(r"NonFiniteGradientError: ([^\n]*)", err.message)
     if raised is not None:
         return NonFiniteGradientError(raised.group(1).strip())
+    raised = re.search(r"JoinedRankError: ([^\n]*)", err.message)
+    if raised is not None:
+        return JoinedRankError(raised.group(1).strip())
     found = re.search(r"assertion failed: (.*)", err.message)
     if found is None:
         return err

@@ -26,7 +26,8 @@ calls (``train_step`` → ``optimizer.apply_gradients`` → ``apply``), and its 
   (it adds the table version to the epoch logs).
 * DQSGD and ErrorFeedback (``ECQ``) work as on the tape: DQSGD moves to the next width at the
   end of each step (a variable the graph switches on: no retrace); checkpoint the compressor with
-  ``opt.exchange.state_dict()`` (collective with ErrorFeedback memory) /
+  ``opt.exchange.state_dict()`` (local: this rank's ErrorFeedback memory; every rank's after
+  ``opt.exchange.consolidate_state_dict()`` on every rank) /
   ``opt.exchange.load_state_dict(state)``.
 * ``model.compile(jit_compile=...)`` must be False (the callbacks check it; "auto" turns XLA on
   with a GPU).
@@ -294,13 +295,15 @@ def DistributedOptimizer(
     local_layers: Any = None,
     wire: str = "fixed",
     error_feedback: bool | str = "auto",
+    stall_timeout_s: float | None = None,
 ) -> keras.optimizers.Optimizer:
     """A copy of the Keras 3 ``optimizer`` (same class and config) that averages gradients over
     ``process_set`` with the packed quantized exchange before every update.
 
     The exchange arguments (``exchange``, ``fusion_bytes``, ``small_tensor_threshold``,
     ``network``, ``telemetry``, ``wire`` — "fixed" or "entropy", the entropy-coded
-    variable-length payloads) are those of :func:`horovod_aq.tensorflow.DistributedGradientTape`.
+    variable-length payloads —, ``stall_timeout_s``) are those of
+    :func:`horovod_aq.tensorflow.DistributedGradientTape`.
     Horovod's arguments keep their meaning: ``backward_passes_per_step``,
     ``average_aggregated_gradients``, ``scale_local_gradients``, ``process_set``, ``op``
     (``hvd.Average`` only); ``sparse_as_dense`` is accepted and implied; ``name`` renames the
@@ -324,7 +327,7 @@ def DistributedOptimizer(
             scale_local_gradients=scale_local_gradients, exchange=exchange,
             fusion_bytes=fusion_bytes, small_tensor_threshold=small_tensor_threshold,
             network=network, telemetry=telemetry, local_layers=local_layers, wire=wire,
-            error_feedback=error_feedback)
+            error_feedback=error_feedback, stall_timeout_s=stall_timeout_s)
         return keras.optimizers.LossScaleOptimizer(
             inner, initial_scale=optimizer.initial_scale,
             dynamic_growth_steps=optimizer.dynamic_growth_steps,
@@ -339,7 +342,8 @@ def DistributedOptimizer(
                          scale_local_gradients=scale_local_gradients, exchange=exchange,
                          fusion_bytes=fusion_bytes, small_tensor_threshold=small_tensor_threshold,
                          network=network, telemetry=telemetry, local_layers=local_layers,
-                         wire=wire, error_feedback=error_feedback)
+                         wire=wire, error_feedback=error_feedback,
+                         stall_timeout_s=stall_timeout_s)
     cls = _distributed_class(type(optimizer), settings)
     config = optimizer.get_config()
     if name is not None:
@@ -356,7 +360,8 @@ def _settings(compression: Any, *, op: Any = hvd.Average, device_dense: str = ""
               fusion_bytes: int = DEFAULT_FUSION_BYTES, small_tensor_threshold: int = 0,
               network: NetworkModel | None = None, telemetry: Telemetry | None = None,
               local_layers: Any = None, wire: str = "fixed",
-              error_feedback: bool | str = "auto") -> _Settings:
+              error_feedback: bool | str = "auto",
+              stall_timeout_s: float | None = None) -> _Settings:
     """Validate :func:`DistributedOptimizer`'s arguments into the settings its class carries."""
     check_average(op, hvd.Average, "horovod.tensorflow.keras.DistributedOptimizer")
     check_horovod_defaults("horovod_aq.keras.DistributedOptimizer", device_dense=device_dense,
@@ -372,7 +377,7 @@ def _settings(compression: Any, *, op: Any = hvd.Average, device_dense: str = ""
     packed = exchange_for(compression, process_set=process_set, exchange=exchange,
                           fusion_bytes=fusion_bytes,
                           small_tensor_threshold=small_tensor_threshold, network=network,
-                          telemetry=telemetry, wire=wire)
+                          telemetry=telemetry, wire=wire, stall_timeout_s=stall_timeout_s)
     local = tuple(v for layer in _as_layers(local_layers) for v in layer.trainable_weights)
     return _Settings(packed, int(backward_passes_per_step), bool(average_aggregated_gradients),
                      bool(scale_local_gradients), local)

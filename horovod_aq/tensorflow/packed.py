@@ -72,12 +72,16 @@ from horovod_aq.packed.protocol import (
 )
 from horovod_aq.packed.receive import receive_outcome
 from horovod_aq.packed.send import reencode_part, sent_bytes, sent_values
-from horovod_aq.packed.trainable import Trainable, agree_first, agreement_row, check_agreement
+from horovod_aq.packed.trainable import Trainable, agree_first, agreement_row
+from horovod_aq.packed.waiting import Deadline
+from horovod_aq.packed.waiting import stall_timeout_s as stall_timeout_of
 from horovod_aq.telemetry import StepRecord, Telemetry
+from horovod_aq.tensorflow.agreement import Agreement
 from horovod_aq.tensorflow.checks import translate_error
 from horovod_aq.tensorflow.comm import comm_for
 from horovod_aq.tensorflow.payloads import PayloadOps, Rows
 from horovod_aq.tensorflow.sources import dense_gradient, source_name, static_shape
+from horovod_aq.tensorflow.stall import arm_in_graph, disarm_in_graph, translate, watchdog
 from horovod_aq.tensorflow.state import StatsSlot, TFState, state_variable, tf_state
 from horovod_aq.tensorflow.stats import aggregate_sum_sq
 from horovod_aq.tensorflow.step import end_step_in_graph
@@ -151,11 +155,14 @@ class PackedExchange:
 
     def __init__(self, compression: Any, *, process_set: hvd.ProcessSet,
                  settings: ExchangeSettings, telemetry: Telemetry | None, index: int,
-                 coding: str = "fixed") -> None:
+                 coding: str = "fixed", stall_timeout: float | None = None) -> None:
         self.compression = compression
         #: How payloads are coded: "fixed" or "entropy" (``wire=``; module docstring).
         self.coding = coding
         self.quantizer = compression.quantizer    # table, bits, step, seed, refits
+        #: How long the collectives of one exchange may wait (:mod:`~horovod_aq.tensorflow.
+        #: stall`; None: forever).
+        self.deadline = Deadline(stall_timeout, step=lambda: self.quantizer.step)
         self.process_set = process_set
         self.settings = settings
         self.telemetry = telemetry if telemetry is not None else Telemetry()
@@ -173,8 +180,7 @@ class PackedExchange:
         #: layout renames it; whether a handshake passed (``agree_first``); and 1 while the
         #: agreement of the next exchange that runs was collected at trace time (the graph then
         #: skips its own: one agreement per step).
-        self._agreement_name: str | None = None
-        self._agreement_fn: Callable[[tf.Tensor], tf.Tensor] | None = None
+        self._agreement = Agreement(process_set, self.ranks)
         self._handshaken = False
         self._agreed = state_variable(np.int64(0), name=f"aq_agreed_{self.label}")
         self._calls = state_variable(np.int64(0), name=f"aq_calls_{self.label}")
@@ -279,8 +285,13 @@ class PackedExchange:
                     autograph=False)
             try:
                 outs, skipped = fn(*tensors)
-            except tf.errors.InvalidArgumentError as err:
-                raise translate_error(err) from None
+            except tf.errors.OpError as err:
+                if watchdog().stalled is not None:   # Horovod's error after a stall
+                    raise translate(err) from err
+                translated = translate_error(err)   # an error raised on the host in-graph
+                if translated is not err:
+                    raise translated from None
+                raise
         else:
             outs, skipped = self._exchange(plan, tensors, raise_nonfinite)
         result = list(dense)
@@ -299,11 +310,20 @@ class PackedExchange:
         return refit(self.compression, process_set=self.process_set)
 
     def state_dict(self) -> dict[str, Any]:
-        """The compressor's state with every rank's error memory (collective on this exchange's
-        process set); see :func:`horovod_aq.tensorflow.checkpoint.state_dict`."""
+        """The compressor's state, never a collective (this rank's error memory, or every
+        rank's after :meth:`consolidate_state_dict`); see
+        :func:`horovod_aq.tensorflow.checkpoint.state_dict`."""
         from horovod_aq.tensorflow.checkpoint import state_dict
 
         return state_dict(self.compression, process_set=self.process_set)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's error memory to rank ``to`` for its next :meth:`state_dict`
+        (collective on this exchange's process set); see
+        :func:`horovod_aq.tensorflow.checkpoint.consolidate_state_dict`."""
+        from horovod_aq.tensorflow.checkpoint import consolidate_state_dict
+
+        consolidate_state_dict(self.compression, to=to, process_set=self.process_set)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` on this rank; see
@@ -397,8 +417,8 @@ class PackedExchange:
                      layout_digest(buckets, [source_names[i] for i in small], self.coding), {})
         plan.content = content
         plan.agreement = agreement_row(Trainable.of(zip(source_names, numels)), plan.layout)
-        if self._agreement_name is None:   # what the exchange was first used with
-            self._agreement_name = names.agreement_name(content)
+        if self._agreement.name is None:   # what the exchange was first used with
+            self._agreement.name = names.agreement_name(content)
         for b in buckets:
             offset = 0
             for m in b.members:
@@ -416,39 +436,24 @@ class PackedExchange:
         plan.checked = self._handshaken = True
 
     # ------------------------------------------------------------------ what trains
-    def _gather_agreement(self, row: tf.Tensor) -> tf.Tensor:
-        """The agreement's allgather ([1, 4] int64 per rank): the same op, named alike, in the
-        graph of every exchange and at trace time (:meth:`_agree_now`)."""
-        return hvd.allgather(row, name=self._agreement_name, ignore_name_scope=True,
-                             process_set=self.process_set)
-
     def _agree_now(self, plan: _Plan) -> None:
         """This step's agreement on what trains, collected before ``plan``'s handshake (trace
         time, eager; ``packed.trainable.agree_first``): a rank that planned a new layout alone
         meets here the others' agreement in their graph, and every rank raises the same
         ConfigMismatchError. Passed, it is the step's: the graph that runs next skips its own."""
+        self._agreement.now(plan.agreement)
         with tf.init_scope():
-            if self._agreement_fn is None:
-                self._agreement_fn = tf.function(self._gather_agreement, autograph=False)
-            gathered = self._agreement_fn(tf.constant(plan.agreement[None]))
-            check_agreement(gathered.numpy(), "tensorflow")
             self._agreed.assign(1)
 
-    def _agreement(self, plan: _Plan) -> tf.Tensor:
-        """The graph's agreement on what trains: one allgather of ``plan``'s row, then
-        ``packed.trainable.check_agreement`` on the host (the same error on every rank, raised
-        before any collective of the exchange is submitted) — unless it was collected at trace
-        time for this run (:meth:`_agree_now`). No gradient flows in, so it can run while the
-        backward pass computes. Returns the op every collective of the exchange waits for."""
-        row = tf.constant(plan.agreement[None])
-
-        def gather() -> tf.Tensor:
-            rows = self._gather_agreement(row)
-            return tf.reshape(tf.numpy_function(_check_agreement, [rows], tf.bool,
-                                                stateful=True, name="aq_check_agreement"), [])
-
+    def _agree(self, plan: _Plan) -> tf.Tensor:
+        """The graph's agreement on what trains (:class:`~horovod_aq.tensorflow.agreement.
+        Agreement`, before any collective of the exchange is submitted) — unless it was
+        collected at trace time for this run (:meth:`_agree_now`). No gradient flows in, so it
+        can run while the backward pass computes. Returns the op every collective of the
+        exchange waits for."""
         owed = self._agreed.read_value()
-        agreed = tf.cond(owed > 0, lambda: tf.constant(True), gather)
+        agreed = tf.cond(owed > 0, lambda: tf.constant(True),
+                         lambda: self._agreement.in_graph(plan.agreement))
         with tf.control_dependencies([agreed]):
             return self._agreed.assign(0, read_value=False)
 
@@ -461,13 +466,21 @@ class PackedExchange:
         """The exchange graph of one layout, stage by stage (module docstring). Returns the
         averaged tensors and whether a rank sent non-finite markers (``raise_nonfinite`` False,
         nonfinite="skip": the affected tensors are NaN)."""
-        t = _Trace(plan, tensors, raise_nonfinite, self._agreement(plan),
-                   skipped=[tf.constant(False)])
+        token = arm_in_graph(self.deadline, [str(self._agreement.name)] + [
+            names.alltoall_name(b.name) if b.mode == "two_phase" else names.allgather_name(b.name)
+            for b in plan.buckets])     # the stall deadline, until the step has ended
+        with tf.control_dependencies([token]):
+            agreed = self._agree(plan)
+        t = _Trace(plan, tensors, raise_nonfinite, agreed, skipped=[tf.constant(False)])
         self._submit_stage(t)
         self._decode_chunks_stage(t)
         self._reencode_stage(t)
         self._decode_stage(t)
-        return self._end_stage(t)
+        outs, skipped = self._end_stage(t)
+        with tf.control_dependencies(outs + [skipped]):
+            disarmed = disarm_in_graph(token)
+        with tf.control_dependencies([disarmed]):
+            return [tf.identity(o) for o in outs], tf.identity(skipped)
 
     def _submit_stage(self, t: _Trace) -> None:
         """Stage 1: encode every bucket (``PayloadOps.send``: g + α·h with error feedback,
@@ -668,14 +681,6 @@ class PackedExchange:
         return any_bad, check
 
 
-def _check_agreement(gathered: np.ndarray) -> np.bool_:
-    """The agreement's check on the host (``tf.numpy_function``): ``packed.trainable.
-    check_agreement``'s ConfigMismatchError, which TensorFlow wraps in InvalidArgumentError
-    (``checks.translate_error`` unwraps it on the eager path)."""
-    check_agreement(gathered, "tensorflow")
-    return np.bool_(True)
-
-
 def check_tf_wire(wire: Any) -> str:
     """The ``wire=`` of the TensorFlow tape and Keras optimizer: "fixed" or "entropy"
     (``packed.protocol.check_wire``). "auto" (the measured link model, docs/protocol.md §5.5)
@@ -691,22 +696,27 @@ def check_tf_wire(wire: Any) -> str:
 def exchange_for(compression: Any, *, process_set: hvd.ProcessSet, exchange: str = "auto",
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, small_tensor_threshold: int = 0,
                  network: Any = None, telemetry: Telemetry | None = None,
-                 wire: str = "fixed") -> PackedExchange:
+                 wire: str = "fixed", stall_timeout_s: float | None = None) -> PackedExchange:
     """The :class:`PackedExchange` of ``compression`` with these settings (created once);
-    ``wire``: how payloads are coded, "fixed" or "entropy" (:func:`check_tf_wire`)."""
+    ``wire``: how payloads are coded, "fixed" or "entropy" (:func:`check_tf_wire`);
+    ``stall_timeout_s``: how long one exchange may wait (default
+    ``$HOROVOD_AQ_STALL_TIMEOUT_S``, else 300 s; 0: forever; :mod:`horovod_aq.tensorflow.
+    stall`)."""
     check_compression(compression, "hvd.DistributedGradientTape")
     wire = check_tf_wire(wire)
+    stall = stall_timeout_of(stall_timeout_s)
     settings = ExchangeSettings(exchange, fusion_bytes, small_tensor_threshold, network)
     if not hvd.is_initialized():
         raise RuntimeError("call horovod.tensorflow.init() before creating the packed exchange")
     state = tf_state(compression)
     key = (process_set.process_set_id, settings,
-           id(telemetry) if telemetry is not None else None, wire)
+           id(telemetry) if telemetry is not None else None, wire, stall)
     with state.lock:
         found = state.exchanges.get(key)
     if found is None:
         found = PackedExchange(compression, process_set=process_set, settings=settings,
-                               telemetry=telemetry, index=len(state.exchanges), coding=wire)
+                               telemetry=telemetry, index=len(state.exchanges), coding=wire,
+                               stall_timeout=stall)
         with state.lock:
             state.exchanges[key] = found
     return found

@@ -26,8 +26,9 @@ retraced.
 Every horovod_aq compressor works here, also :class:`~horovod_aq.DQSGD` (the width changes at
 ``refit`` through a variable the graph switches on: no retrace) and
 :class:`~horovod_aq.ErrorFeedback` / ``ECQ`` (per-bucket memory variables updated in-graph);
-checkpoint those with :func:`horovod_aq.tensorflow.checkpoint.state_dict` (collective: every
-rank's memory) and :func:`~horovod_aq.tensorflow.checkpoint.load_state_dict`, or
+checkpoint those with :func:`horovod_aq.tensorflow.checkpoint.state_dict` (local: this rank's
+memory; every rank's after :func:`~horovod_aq.tensorflow.checkpoint.consolidate_state_dict` on
+every rank) and :func:`~horovod_aq.tensorflow.checkpoint.load_state_dict`, or
 ``tape.exchange.state_dict()``.
 
 Horovod's own tape keys sources by ``Variable.ref()``, which Keras 3 variables lack (horovod
@@ -211,6 +212,7 @@ def DistributedGradientTape(
     num_groups: int = 0,
     groups: Any = None,
     error_feedback: bool | str = "auto",
+    stall_timeout_s: float | None = None,
 ) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` averages with the packed quantized exchange.
 
@@ -242,6 +244,10 @@ def DistributedGradientTape(
             quantizer, False none; an ``ErrorFeedback`` given stays as it is. The wrapper is made
             once per compressor, so a tape rebuilt every step keeps one memory
             (:mod:`horovod_aq.error_feedback_setting`, docs/quantizers.md §5.9).
+        stall_timeout_s: seconds one exchange may wait for the other ranks before this rank
+            logs ``ExchangeStalledError`` naming the collectives and shuts Horovod down, so no
+            rank hangs (default ``$HOROVOD_AQ_STALL_TIMEOUT_S``, else 300; 0: forever;
+            :mod:`horovod_aq.tensorflow.stall`).
     """
     check_average(op, hvd.Average, "hvd.DistributedGradientTape")
     check_horovod_defaults("horovod_aq.tensorflow.DistributedGradientTape",
@@ -255,7 +261,7 @@ def DistributedGradientTape(
                           process_set=process_set,
                           exchange=exchange, fusion_bytes=fusion_bytes,
                           small_tensor_threshold=small_tensor_threshold, network=network,
-                          telemetry=telemetry, wire=wire)
+                          telemetry=telemetry, wire=wire, stall_timeout_s=stall_timeout_s)
     aggregation = None
     if backward_passes_per_step != 1:
         aggregation = aggregation_for(packed, backward_passes_per_step)

@@ -2,12 +2,14 @@
 ``hvd.broadcast_optimizer_state`` (docs/horovod_compat.md, docs/protocol.md §7).
 
 * :func:`state_dict` — the wrapped optimizer's state plus the compressor's under
-  ``"horovod_aq"``; with error feedback and more than one rank it gathers every rank's memory
-  (collective, through the optimizer's one ``Comm``), and the wire setting's state under
-  :data:`WIRE_KEY` (``wire="auto"``: the agreed decision, so a resumed job keeps it).
-  :func:`local_state_dict` is the same with this rank's own memory and no collective (what
-  elastic Horovod's TorchState saves at every commit, :mod:`horovod_aq.torch.elastic`).
-  :func:`load_state_dict` checks everything before it changes anything.
+  ``"horovod_aq"`` and the wire setting's under :data:`WIRE_KEY` (``wire="auto"``: the agreed
+  decision, so a resumed job keeps it). It never communicates, so rank 0 alone may call it
+  (Horovod's checkpoint pattern) and elastic Horovod's ``TorchState`` may call it on a worker
+  that joins: with error feedback it holds this rank's memory, tagged with this rank
+  (``error_feedback.checkpoint_state``) — or every rank's, right after
+  :func:`consolidate_state_dict` (every rank, ZeroRedundancyOptimizer's pattern) kept them here.
+  :func:`load_state_dict` checks everything before it changes anything; a rank whose memory the
+  checkpoint does not hold restarts it from zero (one log line).
 * Called from ``hvd.broadcast_optimizer_state``, ``state_dict()`` is local on every rank and
   carries the compressor state as the option :data:`BROADCAST_KEY` of the first param group
   (:func:`broadcast_state_dict`). Horovod broadcasts param-group options from the root and
@@ -38,7 +40,12 @@ from typing import Any
 from horovod.torch import functions as _hvd_functions
 from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
 
-from horovod_aq.error_feedback import collective_state_dict, select_memory
+from horovod_aq.error_feedback import (
+    MEMORY_RANK,
+    checkpoint_state,
+    consolidate_memory,
+    select_memory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,16 +123,18 @@ def state_dict(opt: Any) -> dict[str, Any]:
     frame = broadcast_frame()
     if frame is not None:
         return broadcast_state_dict(opt, frame)
-    world = opt._aq_ranks if opt._aq_active else 1
-    return _state_dict(opt, lambda comp: collective_state_dict(
-        comp, [(b.name, b.numel) for b in opt._aq_buckets], world, opt._aq_comm.allgather))
+    return _state_dict(opt, lambda comp: checkpoint_state(comp, rank=_rank(opt),
+                                                          world=_world(opt)))
 
 
-def local_state_dict(opt: Any) -> dict[str, Any]:
-    """``opt.local_state_dict()``: :func:`state_dict` with this rank's own compressor state (its
-    error memory under ``"memory"``) instead of the gather, so no collective runs; it loads on
-    this rank (``select_memory`` keeps a state without ``"memory_by_rank"`` as it is)."""
-    return _state_dict(opt, lambda comp: comp.state_dict())
+def consolidate_state_dict(opt: Any, to: int) -> None:
+    """``opt.consolidate_state_dict(to)``: every rank gathers the error memories
+    (``error_feedback.consolidate_memory``, one allgather per bucket); rank ``to`` keeps them for
+    its next :func:`state_dict` before the next step."""
+    if opt._aq_started is None:
+        adopt_broadcast(opt)
+    consolidate_memory(opt._aq, [(b.name, b.numel) for b in opt._aq_buckets], rank=_rank(opt),
+                       world=_world(opt), to=to, allgather=opt._aq_comm.allgather)
 
 
 def _state_dict(opt: Any, compressor_state: Any) -> dict[str, Any]:
@@ -181,7 +190,8 @@ def broadcast_state_dict(opt: Any, frame: FrameType) -> dict[str, Any]:
       counted).
     * Otherwise the first param group carries :data:`BROADCAST_KEY`: the compressor's state
       (the checkpoint's, with every rank's error memory, if one was loaded since the last
-      exchange) and the exchange's content key.
+      exchange) and the identity of the exchange (``_aq_identity``: its content key without
+      the world size, so that a worker joining an elastic job installs it).
     * If the state is still empty after Horovod's local step, the optimizer keeps no state
       (e.g. SGD without momentum) — on every rank, as every rank runs the same optimizer — and
       Horovod would return without broadcasting: one placeholder entry makes it go on.
@@ -200,7 +210,7 @@ def broadcast_state_dict(opt: Any, frame: FrameType) -> dict[str, Any]:
         # measurement restarts on every rank at the same step)
         wire = opt._aq_wire_setting.state_dict()
         opt._aq_load_wire(wire)
-        ckpt.outgoing = {"exchange": opt._aq_prefix, "state": compression, "installed": False,
+        ckpt.outgoing = {"exchange": opt._aq_identity, "state": compression, "installed": False,
                          "wire": wire}
         state["param_groups"][0] = {**state["param_groups"][0], BROADCAST_KEY: ckpt.outgoing}
     return state
@@ -211,7 +221,7 @@ def arrived(opt: Any, shipped: Any) -> None:
     param group: installed now on a receiving rank whose exchange has the same content key and
     has not started a step (the root assigns its own state back: nothing to do)."""
     if (not isinstance(shipped, dict) or shipped is opt._aq_ckpt.outgoing
-            or shipped.get("installed") or shipped.get("exchange") != opt._aq_prefix
+            or shipped.get("installed") or shipped.get("exchange") != opt._aq_identity
             or opt._aq_started is not None):
         return
     install(opt, shipped["state"], shipped.get("wire"))
@@ -229,7 +239,7 @@ def adopt_broadcast(opt: Any) -> None:
     if shipped is None:
         return
     if (isinstance(shipped, dict) and shipped is not opt._aq_ckpt.outgoing
-            and not shipped.get("installed") and shipped.get("exchange") == opt._aq_prefix):
+            and not shipped.get("installed") and shipped.get("exchange") == opt._aq_identity):
         install(opt, shipped["state"], shipped.get("wire"))
     opt._aq_ckpt.outgoing = None
     opt._aq_reset_step()
@@ -246,9 +256,14 @@ def install(opt: Any, shipped: dict[str, Any], wire: dict[str, Any] | None = Non
     comp = opt._aq
     own = comp.state_dict()
     keep = ("framework",)
-    if comp.error_memory is not None and "memory_by_rank" not in shipped:
+    if comp.error_memory is not None and not _holds_memory_of(shipped, _rank(opt)):
         keep = ("framework", "memory")
-    state = _keep_local(select_memory(comp, shipped, _rank(opt), opt._aq_ranks), own, keep)
+        if shipped.get(MEMORY_RANK, _rank(opt)) != _rank(opt):
+            logger.info("%s: the checkpoint rank %s loaded holds its own error-feedback memory "
+                        "only (saved without consolidate_state_dict): rank %d keeps its own "
+                        "(empty in a new job)", comp.name, shipped[MEMORY_RANK], _rank(opt))
+    state = _keep_local(select_memory(comp, shipped, _rank(opt), opt._aq_ranks, log=False),
+                        own, keep)
     try:
         comp.load_state_dict(state)
     except (ValueError, KeyError, TypeError) as exc:
@@ -262,6 +277,16 @@ def install(opt: Any, shipped: dict[str, Any], wire: dict[str, Any] | None = Non
 # ---------------------------------------------------------------------- helpers
 def _rank(opt: Any) -> int:
     return opt.process_set.rank() if opt.process_set.included() else 0
+
+
+def _world(opt: Any) -> int:
+    return opt._aq_ranks if opt._aq_active else 1
+
+
+def _holds_memory_of(shipped: dict[str, Any], rank: int) -> bool:
+    """Whether a shipped checkpoint state holds ``rank``'s own error memory: every rank's, or
+    (one rank's) this one's."""
+    return "memory_by_rank" in shipped or shipped.get(MEMORY_RANK) == rank
 
 
 def _keep_local(shipped: Any, own: Any, keys: tuple[str, ...]) -> Any:
@@ -297,5 +322,5 @@ def check_param_groups(groups: list[dict[str, Any]], state: dict[str, Any]) -> N
 
 
 __all__ = ["BROADCAST_KEY", "BroadcastGroup", "Checkpoint", "WIRE_KEY", "adopt_broadcast",
-           "arrived", "broadcast_frame", "install", "load_state_dict", "state_dict",
-           "watch_broadcasts"]
+           "arrived", "broadcast_frame", "consolidate_state_dict", "install", "load_state_dict",
+           "state_dict", "watch_broadcasts"]

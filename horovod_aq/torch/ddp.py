@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from horovod_aq import error_feedback_setting
 from horovod_aq.compressors import NoCompression
-from horovod_aq.error_feedback import collective_state_dict, select_memory
+from horovod_aq.error_feedback import checkpoint_state, consolidate_memory, select_memory
 from horovod_aq.packed.autowire import AutoWire
 from horovod_aq.packed.cost import NetworkModel
 from horovod_aq.packed.plan import BucketPlan, layout_digest, op_name, plan_buckets
@@ -481,23 +481,30 @@ class QuantizedHookState:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The compressor's state (tables, versions, step, DQSGD rule) and the bucket layout.
-
-        With :class:`~horovod_aq.ErrorFeedback` and more than one rank this is **collective**
-        (every rank's error memory is gathered): call it on every rank between steps and save
-        rank 0's copy.
-        """
+        Never a collective, so rank 0 alone may call it: with
+        :class:`~horovod_aq.ErrorFeedback` it holds this rank's error memory, tagged with this
+        rank, or every rank's right after :meth:`consolidate_state_dict`
+        (``error_feedback.checkpoint_state``)."""
         self._resolve()
-        buckets = [(name, numel) for _, name, numel, _ in self.layout]
-        compression = collective_state_dict(self.compression, buckets, self.ranks,
-                                            self._comm.allgather)
+        compression = checkpoint_state(self.compression, rank=self._comm.rank, world=self.ranks)
         return {"format": STATE_FORMAT, "compression": compression,
                 "layout": [[i, name, numel, list(names)] for i, name, numel, names in self.layout],
                 "wire": self._wire_setting.state_dict()}
 
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's error memory to rank ``to`` of the hook's group, whose next
+        :meth:`state_dict` before the next step holds all of them. Collective: call it on every
+        rank between steps (``ZeroRedundancyOptimizer.consolidate_state_dict``'s pattern)."""
+        self._resolve()
+        buckets = [(name, numel) for _, name, numel, _ in self.layout]
+        consolidate_memory(self.compression, buckets, rank=self._comm.rank, world=self.ranks,
+                           to=to, allgather=self._comm.allgather)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same checkpoint on every rank). The handshake runs
-        again at the next exchange; error memory comes back only with the same number of
-        ranks."""
+        again at the next exchange; a rank gets its error memory back where the checkpoint
+        holds it with the same number of ranks, otherwise it restarts from zero (one log
+        line)."""
         if int(state.get("format", 0)) != STATE_FORMAT:
             raise ValueError(f"hook state format {state.get('format')!r}; this build reads "
                              f"{STATE_FORMAT}")

@@ -13,9 +13,10 @@ of :mod:`horovod_aq.elastic`: ``save``/``restore`` keep this rank's whole ``stat
 ``sync`` broadcasts rank 0's state and loads it with this rank's own random streams and no
 error memory (:func:`horovod_aq.elastic.synced_state`).
 
-It also adds :class:`PackedOptimizerStateHandler` for the packed optimizer
-(``horovod_aq.torch.DistributedOptimizer``), which saves the optimizer's local state at every
-commit: its ``state_dict()`` is collective with error feedback.
+Horovod's stock ``hvd.DistributedOptimizer(compression=comp)`` needs it: its state holds no
+compressor. The packed optimizer (``horovod_aq.torch.DistributedOptimizer``) needs nothing
+here: its ``state_dict()`` carries the compressor and never communicates, so Horovod's own
+optimizer handler (``TorchState(model, optimizer)``) saves, restores and syncs it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from horovod.torch.functions import broadcast_object
 from horovod_aq.compressors import Compressor
 from horovod_aq.elastic import synced_state
 from horovod_aq.error_feedback import ErrorFeedback
-from horovod_aq.torch.optimizer import PackedOptimizer
 
 #: The compression objects the handler takes (Horovod picks a handler by ``isinstance``).
 COMPRESSION_TYPES = (Compressor, ErrorFeedback)
@@ -54,30 +54,13 @@ class CompressorStateHandler(_horovod_state.StateHandler):
         self.value.load_state_dict(synced_state(root, self.value.state_dict()))
 
 
-class PackedOptimizerStateHandler(_horovod_state.OptimizerStateHandler):
-    """TorchState's handler for a packed optimizer: Horovod's optimizer handler (restore loads
-    the saved state, sync is ``broadcast_optimizer_state``), saving
-    :meth:`~horovod_aq.torch.optimizer._PackedOptimizer.local_state_dict` instead of
-    ``state_dict()``. With error feedback ``state_dict()`` gathers every rank's memory, a
-    collective: a worker that joins builds its TorchState alone and would wait in it forever,
-    and every commit would ship every rank's memory to every rank."""
-
-    def __init__(self, optimizer: Any) -> None:
-        _horovod_state.StateHandler.__init__(self, optimizer)
-        self._saved_optimizer_state = copy.deepcopy(optimizer.local_state_dict())
-
-    def save(self) -> None:
-        self._saved_optimizer_state = copy.deepcopy(self.value.local_state_dict())
-
-
-#: horovod_aq's handlers, ahead of Horovod's (the first whose types match is taken).
-HANDLERS = [(COMPRESSION_TYPES, CompressorStateHandler),
-            ((PackedOptimizer,), PackedOptimizerStateHandler)]
+#: horovod_aq's handler, ahead of Horovod's (the first whose types match is taken).
+HANDLERS = [(COMPRESSION_TYPES, CompressorStateHandler)]
 
 
 def _register() -> None:
     registry = [entry for entry in _horovod_state.get_handler_registry()
-                if entry[1] not in (CompressorStateHandler, PackedOptimizerStateHandler)]
+                if entry[1] is not CompressorStateHandler]
     _horovod_state.set_handler_registry(HANDLERS + registry)
 
 

@@ -50,7 +50,14 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 from horovod.common.util import split_list
-from horovod.torch.mpi_ops import Adasum, Average, Sum, allgather_async, allreduce_async_
+from horovod.torch.mpi_ops import (
+    Adasum,
+    Average,
+    Sum,
+    allgather_async,
+    allreduce_async,
+    allreduce_async_,
+)
 from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
 
 from horovod_aq.packed import plan as names
@@ -69,7 +76,13 @@ from horovod_aq.packed.protocol import (
     step_record,
 )
 from horovod_aq.packed.receive import JoinedRankError
-from horovod_aq.packed.trainable import Trainable, agree_first, agreement_row, check_agreement
+from horovod_aq.packed.trainable import (
+    Trainable,
+    agree_first,
+    agreement_row,
+    agreement_terms,
+    check_agreement_sums,
+)
 from horovod_aq.packed.trainable import replan_reason as trainable_change
 from horovod_aq.packed.waiting import Deadline, ExchangeStalledError
 from horovod_aq.packed.waiting import stall_timeout_s as stall_timeout_s_of
@@ -79,6 +92,7 @@ from horovod_aq.telemetry import Telemetry
 from horovod_aq.torch import arguments, checkpoint
 from horovod_aq.torch.checkpoint import BROADCAST_KEY
 from horovod_aq.torch.comm import HorovodCollectives, comm_for, wait
+from horovod_aq.torch.uneven import JoinedStep, log_joined
 from horovod_aq.torch.wire import Bucket, Wire
 
 logger = logging.getLogger(__name__)
@@ -122,8 +136,7 @@ class _Bucket(Bucket):
 class PackedOptimizer(abc.ABC):
     """What ``isinstance`` recognizes every optimizer :func:`DistributedOptimizer` returns as
     (each is a subclass of the optimizer it wraps, built by :func:`DistributedOptimizer`, and
-    registered here), e.g. for elastic Horovod's state handlers
-    (:mod:`horovod_aq.torch.elastic`)."""
+    registered here)."""
 
 
 class _PackedOptimizer(torch.optim.Optimizer):
@@ -186,15 +199,23 @@ class _PackedOptimizer(torch.optim.Optimizer):
         self._aq_wire = None
         self._aq_world: World | None = None
         self._aq_trainable = self._aq_trainable_now()
-        #: The per-step agreement on what trains (``packed.trainable``): its allgather's name
-        #: comes from what the optimizer was built with, so no later change alters it. None:
-        #: not submitted this step; a handle: in flight; True: agreed.
-        self._aq_agreement_name = names.agreement_name(names.exchange_key(self._aq.name, [
+        #: What this optimizer exchanges, as built: the content key of all its parameters and
+        #: the settings that shape the layout, without the world size, so that neither a change
+        #: of what trains nor a change of world alters it. It names the per-step agreement
+        #: (``packed.trainable``) and marks the compressor state ``hvd.broadcast_optimizer_state``
+        #: ships (:mod:`horovod_aq.torch.checkpoint`), which a worker joining an elastic job
+        #: must install although its world already differs from the others'.
+        self._aq_identity = names.exchange_key(self._aq.name, [
             (self._parameter_names[p], p.numel()) for group in self.param_groups
             for p in group["params"]], (
             settings.exchange, settings.fusion_bytes, settings.small_tensor_threshold,
-            self.backward_passes_per_step, self._aq_groups_key)))
+            self.backward_passes_per_step, self._aq_groups_key))
+        self._aq_agreement_name = names.agreement_name(self._aq_identity)
         self._aq_agreement: Any = None
+        #: This step's exchange when some rank called ``hvd.join()`` (None: every rank trains);
+        #: known once the agreement is collected (:mod:`horovod_aq.torch.uneven`).
+        self._aq_joined: JoinedStep | None = None
+        self._aq_joined_before = False   # the last step was a joined one (log once)
         self._aq_build(self._aq_world_now())
 
     # ------------------------------------------------------------------ the world
@@ -315,11 +336,26 @@ class _PackedOptimizer(torch.optim.Optimizer):
 
     def _aq_agree(self) -> None:
         """Collect this step's agreement on what trains (submitted at the step's first
-        gradient); every rank raises the same ConfigMismatchError if a rank differs."""
+        gradient): every rank raises the same ConfigMismatchError if a rank differs; the sums
+        also tell whether ranks called ``hvd.join()`` (then this step is a
+        :class:`~horovod_aq.torch.uneven.JoinedStep`)."""
         if self._aq_agreement is None or self._aq_agreement is True:
             return
         handle, self._aq_agreement = self._aq_agreement, True
-        check_agreement(wait(handle, self._aq_deadline, self._aq_agreement_name).numpy())
+        sums = wait(handle, self._aq_deadline, self._aq_agreement_name).numpy()
+        active = check_agreement_sums(sums, self._aq_ranks, self._aq_agreement_rows)
+        if active < self._aq_ranks:
+            if not self._aq_joined_before:
+                log_joined(self._aq.name, self._aq_ranks - active, self._aq_ranks,
+                           self._aq_q.step)
+            self._aq_joined = JoinedStep(self._aq_ranks - active, self._aq_ranks)
+
+    def _aq_agreement_rows(self) -> Any:
+        """Every rank's agreement row, for the message of a disagreement (every rank)."""
+        row = torch.from_numpy(agreement_row(self._aq_trainable, self._aq_layout)).view(1, -1)
+        name = f"{self._aq_agreement_name}.rows"
+        handle = allgather_async(row, name=name, process_set=self.process_set)
+        return wait(handle, self._aq_deadline, name).numpy()
 
     # ------------------------------------------------------------------ layout
     def _aq_plan(self) -> None:
@@ -472,12 +508,14 @@ class _PackedOptimizer(torch.optim.Optimizer):
                 bucket.coding = self._aq_wire_setting.coding(step, bucket.index)
 
     def _aq_submit_agreement(self) -> None:
-        """This step's agreement on what trains (one small allgather, once per step): collected
-        by :meth:`_aq_agree` before any gradient of the step is waited for."""
+        """This step's agreement on what trains (one small allreduce of
+        ``packed.trainable.agreement_terms``, once per step): collected by :meth:`_aq_agree`
+        before the first bucket of the step goes out."""
         if self._aq_agreement is not None or not self._aq_hooks:
             return
-        row = torch.from_numpy(agreement_row(self._aq_trainable, self._aq_layout)).view(1, -1)
-        self._aq_agreement = allgather_async(row, name=self._aq_agreement_name,
+        terms = torch.from_numpy(agreement_terms(agreement_row(self._aq_trainable,
+                                                               self._aq_layout)))
+        self._aq_agreement = allreduce_async(terms, name=self._aq_agreement_name, op=Sum,
                                              process_set=self.process_set)
 
     def _allreduce_grad_async(self, p: torch.Tensor):
@@ -499,7 +537,12 @@ class _PackedOptimizer(torch.optim.Optimizer):
             bucket.absent.add(p)
         if len(bucket.arrived) == len(bucket.params):
             self._aq_submitted = True
-            self._aq_wire.submit(bucket, bucket.buffer, bucket.present())
+            self._aq_agree()   # who still trains (hvd.join()), before the step's first bucket
+            if self._aq_joined is not None:
+                bucket.stage = "joined"
+                self._aq_joined.submit(bucket.name, bucket.buffer, self.process_set)
+            else:
+                self._aq_wire.submit(bucket, bucket.buffer, bucket.present())
         for other in self._aq_buckets:   # advance finished alltoalls (overlaps the backward)
             if other.stage == "a2a" and self._aq_wire.ready(other):
                 self._aq_wire.advance(other)
@@ -526,7 +569,8 @@ class _PackedOptimizer(torch.optim.Optimizer):
             started = time.perf_counter()
             out = wait(handle, self._aq_deadline, name)
             self._aq_wire.seconds["wait"] += time.perf_counter() - started
-            self._aq_q.observe_aggregate(out / self._aq_ranks if self._aq_sum else out)
+            if self._aq_joined is None:   # a joined step is no compressor step (torch.uneven)
+                self._aq_q.observe_aggregate(out / self._aq_ranks if self._aq_sum else out)
             return out.to(dtype)
         return output
 
@@ -546,6 +590,12 @@ class _PackedOptimizer(torch.optim.Optimizer):
         once every other bucket of the step has finished: no rank leaves the step while another
         still waits for one of its collectives (it would see Horovod shut down instead)."""
         if bucket.stage == "failed":
+            return bucket.result
+        if bucket.stage == "joined":   # some rank called hvd.join(): Horovod's average
+            bucket.result, bucket.stage = self._aq_joined.result(bucket.name,
+                                                                 self._aq_deadline), "done"
+            if self._aq_sum:
+                bucket.result.mul_(self._aq_ranks)
             return bucket.result
         try:
             result = self._aq_wire.finish(bucket)
@@ -580,6 +630,8 @@ class _PackedOptimizer(torch.optim.Optimizer):
             _HorovodOptimizer.synchronize(self)
         finally:
             self._aq_agreement = None
+            joined, self._aq_joined = self._aq_joined, None
+            self._aq_joined_before = joined is not None
         if self._aq_error is not None:   # after every bucket finished (_aq_result)
             error, self._aq_error = self._aq_error, None
             self._aq_submitted, self._aq_started = False, None   # the step did not happen
@@ -596,6 +648,11 @@ class _PackedOptimizer(torch.optim.Optimizer):
         started, self._aq_started = self._aq_started, None
         self._aq_ckpt.loaded = None   # an exchange ran: the state loaded last is no longer current
         q = self._aq_q
+        if joined is not None:   # ranks joined: no compressor step, no refit (torch.uneven)
+            if self._aq_wire is not None:
+                self._aq_wire.take_seconds()
+                self._aq_wire.take_sent()
+            return
         if not self._aq_active:
             q.advance_step()
             return
@@ -689,29 +746,33 @@ class _PackedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state plus the compressor's (``"horovod_aq"``).
+        """The wrapped optimizer's state plus the compressor's (``"horovod_aq"``); never a
+        collective, so rank 0 alone may call it (Horovod's checkpoint pattern).
 
-        With :class:`~horovod_aq.ErrorFeedback` and more than one rank this is **collective**:
-        every rank's error memory differs, so it is gathered (one allgather per bucket) and the
-        dict holds all of them; call it on every rank and save it on rank 0. Without error
-        feedback it is local and the same on every rank. Called by
-        ``hvd.broadcast_optimizer_state`` it is always local and returns what that function
-        broadcasts (:mod:`horovod_aq.torch.checkpoint`).
+        With :class:`~horovod_aq.ErrorFeedback` it holds this rank's error memory, tagged with
+        this rank: a job resumed from it with the same ranks gives that rank its memory back,
+        and the other ranks restart theirs from zero (one log line). For every rank's memory,
+        call :meth:`consolidate_state_dict` on every rank first. Called by
+        ``hvd.broadcast_optimizer_state`` it returns what that function broadcasts
+        (:mod:`horovod_aq.torch.checkpoint`).
         """
         return checkpoint.state_dict(self)
 
-    def local_state_dict(self) -> dict[str, Any]:
-        """:meth:`state_dict` without the collective: this rank's own compressor state, its
-        error memory included, for :meth:`load_state_dict` on this rank only. Elastic Horovod's
-        ``TorchState`` saves it at every commit and loads it at a restore
-        (:mod:`horovod_aq.torch.elastic`); a checkpoint file needs :meth:`state_dict`."""
-        return checkpoint.local_state_dict(self)
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's error memory to rank ``to`` (its rank in the process set), whose
+        next :meth:`state_dict` before the next step then holds all of them, so that a job
+        resumed with the same ranks gives every rank its own memory back. Collective: call it
+        on every rank at the same point between steps (as torch's
+        ``ZeroRedundancyOptimizer.consolidate_state_dict``). Nothing to gather without error
+        feedback."""
+        checkpoint.consolidate_state_dict(self, to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (saved on one rank, loaded on all — or loaded on the root
         only and spread with ``hvd.broadcast_optimizer_state``). Levels, versions and step
-        counters always come back; error-feedback memory only if the number of ranks is
-        unchanged (otherwise it restarts from zero, with a warning).
+        counters always come back; error-feedback memory where the checkpoint holds this
+        rank's (every rank's after :meth:`consolidate_state_dict`, else the saving rank's) and
+        the number of ranks is unchanged, otherwise it restarts from zero (one log line).
 
         Everything is checked before anything changes: a state saved with other compressor
         settings, or for other parameter groups, raises and leaves the optimizer and the
