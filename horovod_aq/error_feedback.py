@@ -96,6 +96,8 @@ class ErrorMemory:
         #: Bucket name → h (a tensor of the gradient's framework, or a TF variable).
         self.memory: dict[str, Any] = {}
         self._pending: dict[str, np.ndarray] = {}
+        #: Bucket name → the memory :meth:`install` replaced, reused as the next output buffer.
+        self._spare: dict[str, Any] = {}
         self._updates: dict[str, int] = {}
         self._warned_divergence = False
         #: Bucket names whose last divergence check found ‖h‖ over the bound.
@@ -119,14 +121,47 @@ class ErrorMemory:
         """h ← β·h + (g − g̃) for ``key``; reset to zero (with a warning) if it became non-finite."""
         h = self.memory.get(key)
         new = (x - x_hat) if h is None else self.updated_memory(h, x, x_hat)
+        self.install(key, new, x, finite=backend_for(new).all_finite(new))
+
+    def install(self, key: str, new: Any, x: Any, *, finite: bool) -> None:
+        """Make ``new`` = h' the memory of ``key`` after a step whose raw gradient was x = g:
+        :meth:`update`'s last stage, and the whole of it where h' was computed elsewhere (the
+        fused encoder, docs/dynamic.md §2.6), with the same rules and no pass over h' of its own.
+
+        ``finite``: whether every h'_i is finite. The caller knows it (the fused kernel keeps
+        max |h'_i| as it writes h'); finite g, h and bucket norms do not imply it, since
+        g − g̃ overflows where |g_i| and |g̃_i| are both near float32's limit. A non-finite h' is
+        reset to zero with a warning (``reset_on_nonfinite``). Every ``CHECK_EVERY`` installs
+        of a key, ‖h'‖ and ‖g‖ are read for the divergence check (§2.3): two passes on those
+        steps only. The memory this replaces becomes the key's :meth:`spare`.
+        """
         backend = backend_for(new)
-        if self.reset_on_nonfinite and not backend.all_finite(new):
+        if self.reset_on_nonfinite and not finite:
             logger.warning("%s: error memory %r became non-finite; reset to zero", self.name, key)
-            new = new * 0
+            new = backend.like(new, np.zeros(tuple(new.shape), np.float32))   # not new·0: ∞·0
+        old = self.memory.get(key)
         self.memory[key] = new
+        if old is not None and old is not new:
+            self._spare[key] = old
         count = self._updates[key] = self._updates.get(key, 0) + 1
         if count % CHECK_EVERY == 0 and not self._warned_divergence:
             self._check_divergence(key, new, x, backend)
+
+    def spare(self, key: str, like: Any) -> Any:
+        """A buffer of ``like``'s shape to write the next memory of ``key`` into, or None: the
+        memory that :meth:`install` replaced last (double buffering: a fused step allocates no
+        bucket-sized memory and touches no fresh pages). Taken, it is the caller's until it
+        installs it; a tensor once held in :attr:`memory` may thus be overwritten two steps
+        later (copy it, as :meth:`local_state` does, to keep it)."""
+        buf = self._spare.pop(key, None)
+        if buf is None or key not in self.memory or tuple(buf.shape) != tuple(like.shape):
+            return None
+        return buf
+
+    def forget(self, key: str) -> None:
+        """Drop the memory of ``key`` (a bucket that no longer exists) and its spare."""
+        self.memory.pop(key, None)
+        self._spare.pop(key, None)
 
     def _check_divergence(self, key: str, h: Any, x: Any, backend: Any) -> None:
         """Warn (once) when ‖h‖ > DIVERGENCE_RATIO·expected_ratio·‖g‖ at two checks in a row.
@@ -184,6 +219,7 @@ class ErrorMemory:
                            f" ({reason})" if reason else "")
         self.memory.clear()
         self._pending.clear()
+        self._spare.clear()
         self._over.clear()
 
     #: The pre-redesign name of :meth:`reset`.
@@ -199,6 +235,7 @@ class ErrorMemory:
     def load_local_state(self, memory: dict[str, Any]) -> None:
         """Replace the memory by a saved :meth:`local_state` (installed lazily, at first use)."""
         self.memory.clear()
+        self._spare.clear()
         self._pending = {k: np.asarray(v, dtype=np.float32) for k, v in memory.items()}
 
 
