@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -178,6 +180,34 @@ def test_ecq_install_keeps_the_replaced_memory_as_the_next_output_buffer():
     mem.install("k", second, like, finite=True)
     mem.reset()
     assert mem.spare("k", like) is None
+
+
+def test_ecq_memory_norm_reads_what_install_was_told():
+    # telemetry's ‖h‖ every step: the fused kernel's ‖h'‖², else the memory is read
+    mem = ErrorMemory()
+    like = np.zeros(3, np.float32)
+    h = np.array([3.0, 4.0, 0.0], np.float32)
+    mem.install("a", h, like, finite=True, sum_of_squares=25.0)
+    mem.install("b", np.array([12.0], np.float32), like[:1], finite=True)   # read: 144
+    assert mem.memory_norm() == 13.0
+    mem.install("a", h, like, finite=True, sum_of_squares=100.0)   # what it was told wins
+    assert mem.memory_norm() == pytest.approx(math.sqrt(244.0))
+    mem.memory["a"] = np.array([1.0, 0.0, 0.0], np.float32)       # not installed: read
+    assert mem.memory_norm() == pytest.approx(math.sqrt(145.0))
+    with np.errstate(over="ignore"):
+        mem.install("a", np.array([np.inf, 0, 0], np.float32), like, finite=False,
+                    sum_of_squares=np.inf)                          # reset: zeros, 0
+    assert mem.memory_norm() == 12.0
+
+
+def test_ecq_divergence_check_reads_the_norm_install_was_told(caplog):
+    # the memory is zeros, but the kernel said ‖h'‖ = 1000 > 10·‖g‖ = 20 at every check
+    mem = ErrorMemory(alpha=1.0, beta=1.0)
+    g = np.ones(4, np.float32)
+    with caplog.at_level("WARNING"):
+        for _ in range(2 * CHECK_EVERY):
+            mem.install("k", np.zeros(4, np.float32), g, finite=True, sum_of_squares=1e6)
+    assert sum("has stayed above" in r.message for r in caplog.records) == 1
 
 
 def test_ecq_refuses_the_stock_path():

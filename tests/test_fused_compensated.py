@@ -47,6 +47,11 @@ def check(g, h, table, bucket_size, norm="l2", *, alpha=ALPHA, beta=BETA, key=KE
     assert got.payload.tobytes() == want.payload.tobytes()
     assert bits_of(got.memory) == bits_of(want.memory)
     assert got.memory_finite == want.memory_finite
+    assert np.float64(got.memory_sum_of_squares).tobytes() == \
+        np.float64(want.memory_sum_of_squares).tobytes()
+    if want.memory_finite:                         # ‖h'‖², in the l2 norm's order
+        assert want.memory_sum_of_squares == pytest.approx(
+            float(np.sum(want.memory.astype(np.float64) ** 2)), rel=1e-12, abs=0)
     return got
 
 

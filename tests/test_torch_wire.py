@@ -455,6 +455,9 @@ def _ef_steps(monkeypatch, fused, mode, P, coding, grads_of_step, *, factory=Non
         results = _run(ranks, grads)
         mems = [comp.error_memory.memory.get(bucket.name) for comp, _, bucket in ranks]
         stats = [comp.quantizer._stats for comp, _, _ in ranks]
+        for (comp, _, bucket), h in zip(ranks, mems):   # telemetry's ‖h‖ (fused: the kernel's)
+            assert comp.error_memory.memory_norm() == pytest.approx(
+                float(np.linalg.norm(h.numpy().astype(np.float64))), rel=1e-12, abs=0)
         steps.append({"results": results, "tapped": tapped, "recording": recording,
                       "memory": [None if h is None else h.numpy().copy() for h in mems],
                       "stats": [None if s is None else (s.norms, s.means, s.stds) for s in stats],

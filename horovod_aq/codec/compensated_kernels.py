@@ -10,8 +10,10 @@ a two-phase chunk's zero padding), in float32:
 2. the bucket norm n_k of that row, then the level choice, stochastic rounding and packing of
    docs/format.md §5, with the helpers of ``fused_kernels._make_encoder`` (the same bytes);
 3. h'_i = fl(fl(β·h_i) + fl(g_i − g̃_i)), g̃_i = n_k·L_{code_i} from the code just chosen (the
-   decoder's product, docs/format.md §5 step 6: no decode), into ``h_out``; the largest |h'_i|
-   (float32 bits) says whether h' is finite.
+   decoder's product, docs/format.md §5 step 6: no decode), into ``h_out``; while it is in
+   cache, the largest |h'_i| (float32 bits: whether h' is finite) and the bucket's S_k =
+   Σ float64(h'_i)² in the canonical pairwise order of the l2 norm (docs/format.md §3), added
+   bucket after bucket into ‖h'‖² (telemetry; ``reference.memory_sum_of_squares``).
 
 A bucket whose x is not finite or whose norm overflows float32 stops the loop (the caller then
 sends markers): h is never written, and ``h_out`` is a separate buffer the caller discards.
@@ -59,8 +61,8 @@ def _make_compensated_encoder(bits: int, pack: int = 0):
                c1, c2, c3, norms, codes, h_out):
         """Encode x = g + α·h (zero-padded to n) into ``norms`` and ``codes`` and write
         h' = β·h + (g − g̃) into ``h_out`` (g and h alike without memory: h' = g − g̃).
-        Returns (−1, whether h' is finite), or (k, False) for the first bucket k whose values
-        are not finite or whose norm overflows float32 (nothing valid written)."""
+        Returns (−1, whether h' is finite, Σh'²), or (k, False, 0) for the first bucket k
+        whose values are not finite or whose norm overflows float32 (nothing valid written)."""
         n_g = g.size
         uk0 = np.uint64(k0)
         uk1 = np.uint64(k1)
@@ -82,10 +84,11 @@ def _make_compensated_encoder(bits: int, pack: int = 0):
         depth = 2
         while (cols << (depth - 2)) < width:
             depth += 1
-        stack = np.empty((1 if linf else depth, cols), dtype=np.float64)
+        stack = np.empty((depth, cols), dtype=np.float64)
         nbits = np.zeros(1, dtype=np.uint32)
         nval = nbits.view(np.float32)
         hmax = np.uint32(0)
+        hsum = 0.0
         pend = 0
         out_byte = 0
         fetched = 0
@@ -116,16 +119,16 @@ def _make_compensated_encoder(bits: int, pack: int = 0):
             if linf:
                 m = _abs_max_bits(xbits[:length])
                 if m >= _F32_INF_BITS:
-                    return k, False
+                    return k, False, 0.0
                 nbits[0] = m
                 nrm = nval[0]
             else:
                 s = _l2_sum(x, stack)
                 if not np.isfinite(s):
-                    return k, False
+                    return k, False, 0.0
                 nrm = np.float32(np.sqrt(s))
                 if not np.isfinite(nrm):
-                    return k, False
+                    return k, False, 0.0
             norms[k] = nrm
             div = nrm if nrm != _F32_ZERO else _F32_ONE
             a0 = start
@@ -159,13 +162,15 @@ def _make_compensated_encoder(bits: int, pack: int = 0):
                     cbuf[q] = cbuf[8 * ng + q]
                 pend -= 8 * ng
                 a0 += cnt
+            if real:
+                hsum += _l2_sum(h_out[start:start + real], stack)
         if pend:  # the last, partial group: only ⌈pend·b/8⌉ bytes remain in the stream
             w = _U0
             for q in range(pend):
                 w |= np.uint64(cbuf[q]) << np.uint64(q * pack)
             for b in range(codes.size - out_byte):
                 codes[out_byte + b] = np.uint8((w >> np.uint64(8 * b)) & _BYTE)
-        return -1, hmax < _F32_INF_BITS
+        return -1, hmax < _F32_INF_BITS, hsum
 
     return kernel
 

@@ -123,7 +123,7 @@ def try_encode_compensated(g: Any, h: Any, alpha: float, beta: float,
                           uniforms=np.zeros(n, np.float32))
     if n == 0:
         payload = np.frombuffer(make_header(0, table, bucket_size, norm), np.uint8).copy()
-        return Compensated(seal_checksum(payload) if checksum else payload, out, True)
+        return Compensated(seal_checksum(payload) if checksum else payload, out, True, 0.0)
     bits = table.bits
     nb = -(-n // bucket_size)
     codes_offset = HEADER_SIZE + NORM_BYTES * nb
@@ -140,7 +140,7 @@ def try_encode_compensated(g: Any, h: Any, alpha: float, beta: float,
         kernel = _compensated_code_encoder(bits)
     interior, padded, cells = search_tables(levels, bits)
     k0, k1, c1, c2, c3 = key.scalars()
-    bad, finite = kernel(gf, hf, h is not None, np.float32(alpha), np.float32(beta), n,
+    bad, finite, squares = kernel(gf, hf, h is not None, np.float32(alpha), np.float32(beta), n,
                          bucket_size, norm == "linf", interior, padded, cells, k0, k1, c1, c2, c3,
                          norms, codes, out)
     if bad >= 0:
@@ -149,11 +149,12 @@ def try_encode_compensated(g: Any, h: Any, alpha: float, beta: float,
         payload = payload_of_codes(codes, norms, table, bucket_size, norm, checksum=checksum,
                                    fixed=lambda: _fixed_payload(codes, norms, table,
                                                                 bucket_size, norm, checksum))
-        return Compensated(payload, out, bool(finite))
+        return Compensated(payload, out, bool(finite), float(squares))
     if not aligned:
         section[:] = norms.astype("<f4").view(np.uint8)
     buf[:HEADER_SIZE] = np.frombuffer(make_header(n, table, bucket_size, norm), np.uint8)
-    return Compensated(seal_checksum(buf) if checksum else buf, out, bool(finite))
+    return Compensated(seal_checksum(buf) if checksum else buf, out, bool(finite),
+                       float(squares))
 
 
 def _fixed_payload(codes: np.ndarray, norms: np.ndarray, table: LevelTable, bucket_size: int,

@@ -82,7 +82,14 @@ from horovod_aq.codec.format import (
     parse_header,
     seal_checksum,
 )
-from horovod_aq.codec.quantize import dequantize, normalized, prepare, round_codes
+from horovod_aq.codec.quantize import (
+    _bucket_matrix,
+    dequantize,
+    normalized,
+    pairwise_sum_rows,
+    prepare,
+    round_codes,
+)
 from horovod_aq.codec.rows import (
     check_checksums,
     check_rows,
@@ -93,8 +100,8 @@ from horovod_aq.codec.rows import (
 from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels.table import LevelTable
 
-__all__ = ["Compensated", "decode", "decode_average", "encode", "encode_compensated", "quantize",
-           "variable_rows"]
+__all__ = ["Compensated", "decode", "decode_average", "encode", "encode_compensated",
+           "memory_sum_of_squares", "quantize", "variable_rows"]
 
 
 # ---------------------------------------------------------------------------- encode / decode
@@ -258,6 +265,8 @@ class Compensated(NamedTuple):
     memory: np.ndarray
     #: Whether every value of ``memory`` is finite (g − g̃ may overflow near float32's limit).
     memory_finite: bool
+    #: ‖h'‖² as :func:`memory_sum_of_squares` adds it (telemetry's ‖h‖, docs/dynamic.md §2.6).
+    memory_sum_of_squares: float
 
 
 def encode_compensated(
@@ -330,4 +339,19 @@ def encode_compensated(
     g_hat = decode(payload, levels)[:n]
     with np.errstate(over="ignore", invalid="ignore"):
         memory = g - g_hat if h is None else b * h + (g - g_hat)
-    return Compensated(payload, memory, bool(np.isfinite(memory).all()))
+    return Compensated(payload, memory, bool(np.isfinite(memory).all()),
+                       memory_sum_of_squares(memory, bucket_size))
+
+
+def memory_sum_of_squares(memory: np.ndarray, bucket_size: int) -> float:
+    """‖h'‖² = Σ_k S_k added in bucket order in float64, S_k = Σ float64(h'_i)² over bucket k
+    in the canonical pairwise order of the l2 norm (step 2): what the fused kernel accumulates
+    while it writes h' (docs/dynamic.md §2.6)."""
+    flat = np.asarray(memory, np.float32).reshape(-1)
+    if flat.size == 0:
+        return 0.0
+    width = 1 << max(0, min(int(bucket_size), flat.size) - 1).bit_length()
+    rows = _bucket_matrix(flat, int(bucket_size), width, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        sums = pairwise_sum_rows(rows * rows)
+        return float(np.cumsum(sums)[-1])   # sequential, in bucket order

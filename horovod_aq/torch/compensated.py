@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from horovod_aq.codec import fused_compensated
 from horovod_aq.packed.cost import chunk_numel
 from horovod_aq.torch import kernels
 
@@ -52,6 +51,8 @@ def encode_compensated(wire: Any, bucket: Any,
                        raw: torch.Tensor) -> tuple[list[torch.Tensor], Callable[[], None]] | None:
     """(payloads, install) for ``raw`` = g, or None when a bucket of x = g + α·h cannot travel
     (module docstring)."""
+    from horovod_aq.codec import fused_compensated  # numba, as kernels imports it: on first use
+
     q, memory = wire.q, wire.memory
     g = raw.detach()
     h = memory.saved(bucket.name, g)
@@ -61,7 +62,7 @@ def encode_compensated(wire: Any, bucket: Any,
     g_np, out_np = g.numpy(), out.numpy()
     h_np = None if h is None else h.detach().contiguous().numpy()
     payloads: list[torch.Tensor] = []
-    finite = True
+    finite, squares = True, 0.0
     for part, (lo, hi, size) in enumerate(part_spans(bucket.mode, bucket.numel, wire.ranks,
                                                      q.bucket_size)):
         sent = []
@@ -79,7 +80,9 @@ def encode_compensated(wire: Any, bucket: Any,
             return None
         payloads.append(payload)
         finite = finite and sent[0].memory_finite
+        squares += sent[0].memory_sum_of_squares
     if wire.tap is not None:
         for part, x in enumerate(wire.parts(bucket, memory.compensate(bucket.name, g))):
             wire.tap(bucket, part, x, payloads[part])
-    return payloads, lambda: memory.install(bucket.name, out, g, finite=finite)
+    return payloads, lambda: memory.install(bucket.name, out, g, finite=finite,
+                                            sum_of_squares=squares)
