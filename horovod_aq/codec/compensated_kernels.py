@@ -50,6 +50,18 @@ from horovod_aq.codec.fused_kernels import (
 _F32_INF_BITS = np.uint32(0x7F800000)
 
 
+@njit(inline="always", **_JIT)
+def _level(scaled, code, bits, linear):
+    """g̃ = scaled[code] (scaled = n_k·L): with few levels a chain of selects, which
+    vectorizes where a table lookup would not."""
+    if linear:
+        v = scaled[0]
+        for q in range(1, 1 << bits):
+            v = scaled[q] if code >= q else v
+        return v
+    return scaled[code]
+
+
 def _make_compensated_encoder(bits: int, pack: int = 0):
     """The fused ECQ-SGD encoder of b-bit codes (module docstring); ``pack`` = 8 writes one
     code per byte instead of packing them."""
@@ -89,6 +101,7 @@ def _make_compensated_encoder(bits: int, pack: int = 0):
         nval = nbits.view(np.float32)
         hmax = np.uint32(0)
         hsum = 0.0
+        scaled = np.empty(1 << bits, dtype=np.float32)
         pend = 0
         out_byte = 0
         fetched = 0
@@ -131,6 +144,8 @@ def _make_compensated_encoder(bits: int, pack: int = 0):
                     return k, False, 0.0
             norms[k] = nrm
             div = nrm if nrm != _F32_ZERO else _F32_ONE
+            for q in range(1 << bits):
+                scaled[q] = nrm * levels[q]
             a0 = start
             end = start + length
             while a0 < end:
@@ -140,7 +155,7 @@ def _make_compensated_encoder(bits: int, pack: int = 0):
                                  uc3, ubuf)
                 _quantize(x[a0 - start:], cnt, div, interior, levels, cells, ubuf[a0 & 3:],
                           cbuf[pend:], rbuf, flags, bits, linear)
-                # 3. h' = β·h + (g − n_k·L[code]) of the chunk's real coordinates
+                # 3. h' = β·h + (g − n_k·L[code]) of the chunk's real coordinates (n_k·L: scaled)
                 real_cnt = min(cnt, max(n_g - a0, 0))
                 cb = cbuf[pend:pend + real_cnt]
                 gc = g[a0:a0 + real_cnt]
@@ -148,10 +163,10 @@ def _make_compensated_encoder(bits: int, pack: int = 0):
                 if has_h:
                     hc = h[a0:a0 + real_cnt]
                     for t in range(real_cnt):
-                        oc[t] = beta * hc[t] + (gc[t] - nrm * levels[cb[t]])
+                        oc[t] = beta * hc[t] + (gc[t] - _level(scaled, cb[t], bits, linear))
                 else:
                     for t in range(real_cnt):
-                        oc[t] = gc[t] - nrm * levels[cb[t]]
+                        oc[t] = gc[t] - _level(scaled, cb[t], bits, linear)
                 a = _abs_max_bits(hbits[a0:a0 + real_cnt])
                 hmax = a if a > hmax else hmax
                 pend += cnt
