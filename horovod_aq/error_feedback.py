@@ -126,7 +126,7 @@ class ErrorMemory:
         self.install(key, new, x, finite=backend_for(new).all_finite(new))
 
     def install(self, key: str, new: Any, x: Any, *, finite: bool,
-                sum_of_squares: float | None = None) -> None:
+                sum_of_squares: float | None = None, recycle: bool = False) -> None:
         """Make ``new`` = h' the memory of ``key`` after a step whose raw gradient was x = g:
         :meth:`update`'s last stage, and the whole of it where h' was computed elsewhere (the
         fused encoder, docs/dynamic.md §2.6), with the same rules and no pass over h' of its own.
@@ -139,8 +139,9 @@ class ErrorMemory:
         ``sum_of_squares``: ‖h'‖² where the caller has it (the fused kernel adds it up as it
         writes h'), so that :meth:`memory_norm` (telemetry, every step) reads no memory. Every
         ``CHECK_EVERY`` installs of a key the divergence check (§2.3) reads ‖g‖, and ‖h'‖
-        unless given: on those steps only. The memory this replaces becomes the key's
-        :meth:`spare`.
+        unless given: on those steps only. ``recycle``: the memory this replaces becomes the
+        key's :meth:`spare` (for a caller that writes the next h' into it; otherwise it is
+        dropped, so the memory is not held twice).
         """
         backend = backend_for(new)
         if self.reset_on_nonfinite and not finite:
@@ -153,18 +154,20 @@ class ErrorMemory:
             self._squares.pop(key, None)
         else:
             self._squares[key] = (new, float(sum_of_squares))
-        if old is not None and old is not new:
+        if recycle and old is not None and old is not new:
             self._spare[key] = old
+        else:
+            self._spare.pop(key, None)
         count = self._updates[key] = self._updates.get(key, 0) + 1
         if count % CHECK_EVERY == 0 and not self._warned_divergence:
             self._check_divergence(key, new, x, backend, sum_of_squares)
 
     def spare(self, key: str, like: Any) -> Any:
         """A buffer of ``like``'s shape to write the next memory of ``key`` into, or None: the
-        memory that :meth:`install` replaced last (double buffering: a fused step allocates no
-        bucket-sized memory and touches no fresh pages). Taken, it is the caller's until it
-        installs it; a tensor once held in :attr:`memory` may thus be overwritten two steps
-        later (copy it, as :meth:`local_state` does, to keep it)."""
+        memory that :meth:`install` replaced last with ``recycle`` (double buffering: a fused
+        step allocates no bucket-sized memory and touches no fresh pages). Taken, it is the
+        caller's until it installs it; a tensor once held in :attr:`memory` may thus be
+        overwritten two steps later (copy it, as :meth:`local_state` does, to keep it)."""
         buf = self._spare.pop(key, None)
         if buf is None or key not in self.memory or tuple(buf.shape) != tuple(like.shape):
             return None

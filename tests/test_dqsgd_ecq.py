@@ -166,18 +166,21 @@ def test_ecq_install_keeps_the_replaced_memory_as_the_next_output_buffer():
     like = np.zeros(4, np.float32)
     assert mem.spare("k", like) is None                         # no memory yet
     first, second = np.ones(4, np.float32), np.full(4, 2.0, np.float32)
-    mem.install("k", first, like, finite=True)
+    mem.install("k", first, like, finite=True, recycle=True)
     assert mem.spare("k", like) is None                         # nothing replaced yet
-    mem.install("k", second, like, finite=True)
+    mem.install("k", second, like, finite=True, recycle=True)
     assert mem.memory["k"] is second
     assert mem.spare("k", np.zeros(5, np.float32)) is None      # another shape: dropped
-    mem.install("k", first, like, finite=True)
+    mem.install("k", first, like, finite=True, recycle=True)
     assert mem.spare("k", like) is second and mem.spare("k", like) is None   # taken once
-    mem.install("k", second, like, finite=True)
+    mem.install("k", second, like, finite=True, recycle=True)
+    mem.install("k", first, like, finite=True)                  # not recycled: not held twice
+    assert mem.spare("k", like) is None
+    mem.install("k", second, like, finite=True, recycle=True)
     mem.forget("k")
     assert "k" not in mem.memory and mem.spare("k", like) is None
-    mem.install("k", first, like, finite=True)
-    mem.install("k", second, like, finite=True)
+    mem.install("k", first, like, finite=True, recycle=True)
+    mem.install("k", second, like, finite=True, recycle=True)
     mem.reset()
     assert mem.spare("k", like) is None
 

@@ -85,4 +85,4 @@ def encode_compensated(wire: Any, bucket: Any,
         for part, x in enumerate(wire.parts(bucket, memory.compensate(bucket.name, g))):
             wire.tap(bucket, part, x, payloads[part])
     return payloads, lambda: memory.install(bucket.name, out, g, finite=finite,
-                                            sum_of_squares=squares)
+                                            sum_of_squares=squares, recycle=True)
