@@ -97,6 +97,10 @@ class ErrorMemory:
         #: Bucket name → h (a tensor of the gradient's framework, or a TF variable).
         self.memory: dict[str, Any] = {}
         self._pending: dict[str, np.ndarray] = {}
+        #: Bucket name → the memory :meth:`install` replaced, reused as the next output buffer.
+        self._spare: dict[str, Any] = {}
+        #: Bucket name → (memory, its ‖h‖²) as :meth:`install` was told it.
+        self._squares: dict[str, tuple[Any, float]] = {}
         self._updates: dict[str, int] = {}
         self._warned_divergence = False
         #: Bucket names whose last divergence check found ‖h‖ over the bound.
@@ -123,21 +127,70 @@ class ErrorMemory:
         """h ← β·h + (g − g̃) for ``key``; reset to zero (with a warning) if it became non-finite."""
         h = self.memory.get(key)
         new = (x - x_hat) if h is None else self.updated_memory(h, x, x_hat)
+        self.install(key, new, x, finite=backend_for(new).all_finite(new))
+
+    def install(self, key: str, new: Any, x: Any, *, finite: bool,
+                sum_of_squares: float | None = None, recycle: bool = False) -> None:
+        """Make ``new`` = h' the memory of ``key`` after a step whose raw gradient was x = g:
+        :meth:`update`'s last stage, and the whole of it where h' was computed elsewhere (the
+        fused encoder, docs/dynamic.md §2.6), with the same rules and no pass over h' of its own.
+
+        ``finite``: whether every h'_i is finite. The caller knows it (the fused kernel keeps
+        max |h'_i| as it writes h'); finite g, h and bucket norms do not imply it, since
+        g − g̃ overflows where |g_i| and |g̃_i| are both near float32's limit. A non-finite h' is
+        reset to zero with a warning (``reset_on_nonfinite``).
+
+        ``sum_of_squares``: ‖h'‖² where the caller has it (the fused kernel adds it up as it
+        writes h'), so that :meth:`memory_norm` (telemetry, every step) reads no memory. Every
+        ``CHECK_EVERY`` installs of a key the divergence check (§2.3) reads ‖g‖, and ‖h'‖
+        unless given: on those steps only. ``recycle``: the memory this replaces becomes the
+        key's :meth:`spare` (for a caller that writes the next h' into it; otherwise it is
+        dropped, so the memory is not held twice).
+        """
         backend = backend_for(new)
-        if self.reset_on_nonfinite and not backend.all_finite(new):
+        if self.reset_on_nonfinite and not finite:
             logger.warning("%s: error memory %r became non-finite; reset to zero", self.name, key)
-            new = new * 0
+            new = backend.like(new, np.zeros(tuple(new.shape), np.float32))   # not new·0: ∞·0
+            sum_of_squares = 0.0
+        old = self.memory.get(key)
         self.memory[key] = new
+        if sum_of_squares is None:
+            self._squares.pop(key, None)
+        else:
+            self._squares[key] = (new, float(sum_of_squares))
+        if recycle and old is not None and old is not new:
+            self._spare[key] = old
+        else:
+            self._spare.pop(key, None)
         count = self._updates[key] = self._updates.get(key, 0) + 1
         if count % CHECK_EVERY == 0 and not self._warned_divergence:
-            self._check_divergence(key, new, x, backend)
+            self._check_divergence(key, new, x, backend, sum_of_squares)
 
-    def _check_divergence(self, key: str, h: Any, x: Any, backend: Any) -> None:
-        """Warn (once) when ‖h‖ > DIVERGENCE_RATIO·expected_ratio·‖g‖ at two checks in a row.
+    def spare(self, key: str, like: Any) -> Any:
+        """A buffer of ``like``'s shape to write the next memory of ``key`` into, or None: the
+        memory that :meth:`install` replaced last with ``recycle`` (double buffering: a fused
+        step allocates no bucket-sized memory and touches no fresh pages). Taken, it is the
+        caller's until it installs it; a tensor once held in :attr:`memory` may thus be
+        overwritten two steps later (copy it, as :meth:`local_state` does, to keep it)."""
+        buf = self._spare.pop(key, None)
+        if buf is None or key not in self.memory or tuple(buf.shape) != tuple(like.shape):
+            return None
+        return buf
+
+    def forget(self, key: str) -> None:
+        """Drop the memory of ``key`` (a bucket that no longer exists) and its spare."""
+        self.memory.pop(key, None)
+        self._spare.pop(key, None)
+        self._squares.pop(key, None)
+
+    def _check_divergence(self, key: str, h: Any, x: Any, backend: Any,
+                          h_squares: float | None = None) -> None:
+        """Warn (once) when ‖h‖ > DIVERGENCE_RATIO·expected_ratio·‖g‖ at two checks in a row
+        (``h_squares``: ‖h‖², when the caller knows it).
 
         One check over the bound is not enough: a single step whose gradient is far smaller than
         the last few (whose errors h still holds) crosses it while α, β contract (§2.3)."""
-        h_norm = math.sqrt(backend.sum_of_squares(h))
+        h_norm = math.sqrt(backend.sum_of_squares(h) if h_squares is None else h_squares)
         g_norm = math.sqrt(backend_for(x).sum_of_squares(x))
         if not (g_norm > 0 and h_norm > DIVERGENCE_RATIO * self.expected_ratio * g_norm):
             self._over.discard(key)
@@ -179,8 +232,14 @@ class ErrorMemory:
         return h
 
     def memory_norm(self) -> float:
-        """‖h‖₂ over all buckets (telemetry)."""
-        return math.sqrt(sum(backend_for(h).sum_of_squares(h) for h in self.memory.values()))
+        """‖h‖₂ over all buckets (telemetry): ‖h‖² as :meth:`install` was told it for a memory
+        still held, else read from the memory."""
+        total = 0.0
+        for key, h in self.memory.items():
+            known = self._squares.get(key)
+            total += known[1] if known is not None and known[0] is h else \
+                backend_for(h).sum_of_squares(h)
+        return math.sqrt(total)
 
     def reset(self, reason: str = "") -> None:
         if self.memory or self._pending:
@@ -188,6 +247,8 @@ class ErrorMemory:
                            f" ({reason})" if reason else "")
         self.memory.clear()
         self._pending.clear()
+        self._spare.clear()
+        self._squares.clear()
         self._over.clear()
         self.consolidated = None
 
@@ -204,6 +265,8 @@ class ErrorMemory:
     def load_local_state(self, memory: dict[str, Any]) -> None:
         """Replace the memory by a saved :meth:`local_state` (installed lazily, at first use)."""
         self.memory.clear()
+        self._spare.clear()
+        self._squares.clear()
         self._pending = {k: np.asarray(v, dtype=np.float32) for k, v in memory.items()}
         self.consolidated = None
 

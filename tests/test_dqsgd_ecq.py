@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -141,6 +143,74 @@ def test_ecq_update_rule_is_the_papers():
     ef.update("k", g2, q2)
     # h ← β·h + (g − g̃): the α·h term is NOT part of the accumulated error
     np.testing.assert_allclose(ef.memory["k"], 0.7 * (g1 - q1) + (g2 - q2))
+
+
+def test_ecq_a_nonfinite_memory_is_reset_to_zeros(caplog):
+    # g − g̃ overflows where both are near float32's limit; the reset gives zeros (∞·0 = NaN
+    # would keep the memory non-finite and every later step on markers)
+    mem = ErrorMemory(alpha=1.0, beta=1.0)
+    g = np.array([3e38, 1.0, -3e38], np.float32)
+    with caplog.at_level("WARNING"), np.errstate(over="ignore"):
+        mem.update("k", g, np.array([-3e38, 0.5, 0.0], np.float32))
+        assert mem.memory["k"].tolist() == [0.0, 0.0, 0.0]
+        mem.install("k", np.array([np.inf, 2.0, np.nan], np.float32), g, finite=False)
+    assert mem.memory["k"].dtype == np.float32 and mem.memory["k"].tolist() == [0.0] * 3
+    assert sum("became non-finite; reset to zero" in r.message for r in caplog.records) == 2
+    kept = ErrorMemory(reset_on_nonfinite=False)
+    kept.install("k", np.array([np.inf], np.float32), g[:1], finite=False)
+    assert np.isinf(kept.memory["k"]).all()
+
+
+def test_ecq_install_keeps_the_replaced_memory_as_the_next_output_buffer():
+    mem = ErrorMemory()
+    like = np.zeros(4, np.float32)
+    assert mem.spare("k", like) is None                         # no memory yet
+    first, second = np.ones(4, np.float32), np.full(4, 2.0, np.float32)
+    mem.install("k", first, like, finite=True, recycle=True)
+    assert mem.spare("k", like) is None                         # nothing replaced yet
+    mem.install("k", second, like, finite=True, recycle=True)
+    assert mem.memory["k"] is second
+    assert mem.spare("k", np.zeros(5, np.float32)) is None      # another shape: dropped
+    mem.install("k", first, like, finite=True, recycle=True)
+    assert mem.spare("k", like) is second and mem.spare("k", like) is None   # taken once
+    mem.install("k", second, like, finite=True, recycle=True)
+    mem.install("k", first, like, finite=True)                  # not recycled: not held twice
+    assert mem.spare("k", like) is None
+    mem.install("k", second, like, finite=True, recycle=True)
+    mem.forget("k")
+    assert "k" not in mem.memory and mem.spare("k", like) is None
+    mem.install("k", first, like, finite=True, recycle=True)
+    mem.install("k", second, like, finite=True, recycle=True)
+    mem.reset()
+    assert mem.spare("k", like) is None
+
+
+def test_ecq_memory_norm_reads_what_install_was_told():
+    # telemetry's ‖h‖ every step: the fused kernel's ‖h'‖², else the memory is read
+    mem = ErrorMemory()
+    like = np.zeros(3, np.float32)
+    h = np.array([3.0, 4.0, 0.0], np.float32)
+    mem.install("a", h, like, finite=True, sum_of_squares=25.0)
+    mem.install("b", np.array([12.0], np.float32), like[:1], finite=True)   # read: 144
+    assert mem.memory_norm() == 13.0
+    mem.install("a", h, like, finite=True, sum_of_squares=100.0)   # what it was told wins
+    assert mem.memory_norm() == pytest.approx(math.sqrt(244.0))
+    mem.memory["a"] = np.array([1.0, 0.0, 0.0], np.float32)       # not installed: read
+    assert mem.memory_norm() == pytest.approx(math.sqrt(145.0))
+    with np.errstate(over="ignore"):
+        mem.install("a", np.array([np.inf, 0, 0], np.float32), like, finite=False,
+                    sum_of_squares=np.inf)                          # reset: zeros, 0
+    assert mem.memory_norm() == 12.0
+
+
+def test_ecq_divergence_check_reads_the_norm_install_was_told(caplog):
+    # the memory is zeros, but the kernel said ‖h'‖ = 1000 > 10·‖g‖ = 20 at every check
+    mem = ErrorMemory(alpha=1.0, beta=1.0)
+    g = np.ones(4, np.float32)
+    with caplog.at_level("WARNING"):
+        for _ in range(2 * CHECK_EVERY):
+            mem.install("k", np.zeros(4, np.float32), g, finite=True, sum_of_squares=1e6)
+    assert sum("has stayed above" in r.message for r in caplog.records) == 1
 
 
 def test_ecq_refuses_the_stock_path():

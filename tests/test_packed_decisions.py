@@ -4,6 +4,7 @@ here once."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -205,6 +206,91 @@ def test_send_bucket_sends_markers_for_what_cannot_travel(mode):
     big[B:2 * B] = 3e38
     send.send_bucket(big, steps)
     assert log == ["compensate", "check", f"markers {B}"]
+
+
+def _fused_step(log, ranks, mode, ef, table, name="b"):
+    """``SendSteps.encode_compensated`` from the numpy oracle (``codec.encode_compensated`` per
+    part, the keys of ``_payload``): payloads and an install that is logged."""
+    mem = ef.error_memory
+
+    def step(raw):
+        log.append("fused")
+        n = raw.size
+        m = n if mode == "allgather" else chunk_numel(n, ranks, B)
+        spans = [(min(k * m, n), min((k + 1) * m, n)) for k in range(1 if mode == "allgather"
+                                                                    else ranks)]
+        h = mem.memory.get(name)
+        sent = []
+        for k, (lo, hi) in enumerate(spans):
+            try:
+                sent.append(codec.encode_compensated(
+                    raw[lo:hi], None if h is None else h[lo:hi], mem.alpha, mem.beta, table,
+                    bucket_size=B, numel=m, key=StreamKey(1, 0, 0, 0, k)))
+            except ValueError:
+                return None
+        new = np.concatenate([c.memory for c in sent])
+        finite = all(c.memory_finite for c in sent)
+
+        def install():
+            log.append("install")
+            mem.install(name, new, raw, finite=finite)
+        return [c.payload for c in sent], install
+    return step
+
+
+@pytest.mark.parametrize("mode", ["allgather", "two_phase"])
+@pytest.mark.parametrize("recording", [True, False])
+def test_send_bucket_with_a_fused_step_sends_and_remembers_what_the_steps_do(mode, recording):
+    # steps 1, 4, 5 in one pass: the same payloads and memory as the five steps; step 3 only
+    # when recording (x computed for it), the memory installed last
+    ranks = 3
+    efs = [horovod_aq.ErrorFeedback(horovod_aq.QSGD(bits=3, bucket_size=B), alpha=0.5,
+                                    beta=0.9) for _ in range(2)]
+    log, fused_log = [], []
+    q, steps = _numpy_steps(log, ranks, mode, ef=efs[0])
+    _, plain = _numpy_steps(fused_log, ranks, mode, ef=efs[1])
+    fused = dataclasses.replace(plain, encode_compensated=_fused_step(
+        fused_log, ranks, mode, efs[1], q.table), recording=lambda: recording)
+
+    def update(g, payloads):
+        sent = send.sent_values(payloads, lambda p: codec.decode(p, q.table), np.concatenate,
+                                g.size)
+        efs[0].update("b", g, sent)
+
+    for seed in range(2):                       # the first use of the memory, then h ≠ 0
+        raw = np.random.default_rng(seed).standard_normal(21).astype(np.float32)
+        want = send.send_bucket(raw, steps, update)
+        fused_log.clear()
+        got = send.send_bucket(raw, fused, lambda g, p: fused_log.append("update"))
+        assert fused_log == ["fused"] + (["compensate", "record"] if recording else []) + \
+            ["install"]
+        assert [p.tobytes() for p in got] == [p.tobytes() for p in want]
+        assert efs[1].memory["b"].tobytes() == efs[0].memory["b"].tobytes()
+
+
+@pytest.mark.parametrize("mode", ["allgather", "two_phase"])
+def test_a_failed_fused_step_sends_the_markers_of_the_steps_and_installs_nothing(mode):
+    ranks = 2
+    ef = horovod_aq.ErrorFeedback(horovod_aq.QSGD(bits=3, bucket_size=B), alpha=1.0, beta=1.0)
+    log = []
+    q, plain = _numpy_steps(log, ranks, mode, ef=ef)
+    steps = dataclasses.replace(plain, encode_compensated=_fused_step(log, ranks, mode, ef,
+                                                                      q.table))
+    ef.error_memory.memory["b"] = h = np.zeros(20, np.float32)
+    raw = np.ones(20, np.float32)
+    raw[13] = np.nan
+    out = send.send_bucket(raw, steps)
+    assert log == ["fused", "compensate", "check", "markers 13"]
+    assert ef.memory["b"] is h and all(codec.parse_header(p).first_nonfinite == 13 for p in out)
+    log.clear()
+    big = np.ones(20, np.float32)
+    big[B:2 * B] = 3e38                         # finite, a bucket norm past float32
+    send.send_bucket(big, steps)
+    assert log == ["fused", "compensate", "check", f"markers {B}"]
+    # a fused step that refuses what the check lets travel is a bug, not markers
+    refusing = dataclasses.replace(plain, encode_compensated=lambda raw: None)
+    with pytest.raises(RuntimeError, match="please report this bug"):
+        send.send_bucket(np.ones(20, np.float32), refusing)
 
 
 def test_first_bad_element_checks_the_compensated_values_too():

@@ -18,6 +18,7 @@ from horovod_aq.packed.waiting import Deadline, ExchangeStalledError
 
 torch = pytest.importorskip("torch")
 wire_mod = pytest.importorskip("horovod_aq.torch.wire")
+compensated = pytest.importorskip("horovod_aq.torch.compensated")
 
 B = 16
 SEED = 5
@@ -423,3 +424,156 @@ def test_wire_setting_schedule_digest_decision_and_state():
     assert s.end_step(4, LocalComm(), plans[:1], bits=3, compression=comp,
                       exchange="auto") is None
     assert s.decision is None and s.auto.decision_step == 5 + 1 + 2
+
+
+# ------------------------------------------------- error feedback fused into the CPU encoder
+def _ef_steps(monkeypatch, fused, mode, P, coding, grads_of_step, *, factory=None,
+              memory=None):
+    """Run ``len(grads_of_step)`` steps of P ranks with error feedback, through the fused pass
+    (``torch.compensated``) or the unfused steps; per step, every rank's result, memory (a
+    copy), recorded statistics and tapped (part, values, payload)."""
+    monkeypatch.setattr(compensated, "fusable", _FUSABLE if fused else lambda wire, raw: False)
+    calls = []
+    monkeypatch.setattr(compensated, "encode_compensated",
+                        lambda *a: calls.append(1) or _ENCODE_COMPENSATED(*a))
+    factory = factory or (lambda: horovod_aq.ErrorFeedback(
+        horovod_aq.ALQ(bits=3, bucket_size=B, seed=SEED), alpha=0.5103, beta=0.9))
+    _, ranks = _ranks(P, mode, factory, coding=coding, numels=BIG, masked=True)
+    steps = []
+    for step, grads in enumerate(grads_of_step):
+        net = Network(P)
+        tapped = {}
+        for r, (comp, wire, bucket) in enumerate(ranks):
+            comp.step = step
+            wire.comm.net = net
+            bucket.reset()
+            wire.tap = (lambda b, part, values, payload, r=r:
+                        tapped.setdefault(r, []).append((part, values.clone(), payload.clone())))
+            if memory is not None and step == 0:
+                comp.error_memory.memory[bucket.name] = torch.from_numpy(memory[r].copy())
+        recording = ranks[0][0].quantizer.recording
+        results = _run(ranks, grads)
+        mems = [comp.error_memory.memory.get(bucket.name) for comp, _, bucket in ranks]
+        stats = [comp.quantizer._stats for comp, _, _ in ranks]
+        for (comp, _, bucket), h in zip(ranks, mems):   # telemetry's ‖h‖ (fused: the kernel's)
+            assert comp.error_memory.memory_norm() == pytest.approx(
+                float(np.linalg.norm(h.numpy().astype(np.float64))), rel=1e-12, abs=0)
+        steps.append({"results": results, "tapped": tapped, "recording": recording,
+                      "memory": [None if h is None else h.numpy().copy() for h in mems],
+                      "stats": [None if s is None else (s.norms, s.means, s.stds) for s in stats],
+                      "sent": [wire.take_sent() for _, wire, _ in ranks]})
+    assert bool(calls) == fused
+    return steps
+
+
+_FUSABLE = compensated.fusable
+_ENCODE_COMPENSATED = compensated.encode_compensated
+
+
+def _same_bits(a, b):
+    if a is None or b is None:
+        assert a is None and b is None
+        return
+    assert np.asarray(a, np.float32).view(np.uint32).tobytes() == \
+        np.asarray(b, np.float32).view(np.uint32).tobytes()
+
+
+def _assert_same_steps(fused, unfused):
+    for got, want in zip(fused, unfused, strict=True):
+        assert got["recording"] == want["recording"]
+        for key in ("results", "memory"):
+            for a, b in zip(got[key], want[key], strict=True):
+                _same_bits(a, b)
+        for a, b in zip(got["stats"], want["stats"], strict=True):
+            assert (a is None) == (b is None)
+            for u, v in zip(a or (), b or ()):
+                _same_bits(u, v)
+        assert got["sent"] == want["sent"]
+        assert got["tapped"].keys() == want["tapped"].keys()
+        for r in got["tapped"]:
+            for (pa, va, xa), (pb, vb, xb) in zip(sorted(got["tapped"][r], key=lambda e: e[0]),
+                                                  sorted(want["tapped"][r], key=lambda e: e[0]),
+                                                  strict=True):
+                assert pa == pb
+                _same_bits(va.numpy(), vb.numpy())
+                assert xa.numpy().tobytes() == xb.numpy().tobytes()
+
+
+@pytest.mark.parametrize("mode, P, coding", [
+    ("allgather", 2, "fixed"), ("allgather", 3, "entropy"), ("two_phase", 3, "fixed"),
+    ("two_phase", 4, "entropy"), ("two_phase", 2, "fixed")])
+def test_fused_error_feedback_is_bitwise_the_unfused_steps(monkeypatch, mode, P, coding):
+    # three steps (the first records refit statistics and starts the memory): the averaged
+    # gradient, every rank's memory, statistics, taps and byte counts are bitwise the same
+    grads = [_grads(P, seed=s, numels=BIG) for s in range(3)]
+    for g in grads[1]:
+        g[100:300] = 0.0                          # zero buckets
+        g[5:9] = -0.0
+    fused = _ef_steps(monkeypatch, True, mode, P, coding, grads)
+    unfused = _ef_steps(monkeypatch, False, mode, P, coding, grads)
+    assert [s["recording"] for s in fused] == [True, False, False]
+    _assert_same_steps(fused, unfused)
+
+
+@pytest.mark.parametrize("mode", ["allgather", "two_phase"])
+@pytest.mark.parametrize("bad", [np.nan, 3e38])
+def test_fused_error_feedback_markers_leave_the_senders_memory_as_it_was(monkeypatch, mode,
+                                                                         bad):
+    # step 1: rank 1 holds a NaN (or a bucket norm past float32) in "b"; every rank skips the
+    # step, rank 1 keeps its memory of step 0, the others update theirs (docs/protocol.md §4)
+    P = 3
+    grads = [_grads(P, seed=s, numels=BIG) for s in range(3)]
+    grads[1][1][4001:4003] = bad
+    def factory():
+        return horovod_aq.ErrorFeedback(horovod_aq.QSGD(
+            bits=3, bucket_size=B, seed=SEED, nonfinite="skip"), alpha=1.0, beta=1.0)
+    fused = _ef_steps(monkeypatch, True, mode, P, "fixed", grads, factory=factory)
+    unfused = _ef_steps(monkeypatch, False, mode, P, "fixed", grads, factory=factory)
+    _assert_same_steps(fused, unfused)
+    assert all(np.isnan(r).all() for r in fused[1]["results"])
+    _same_bits(fused[1]["memory"][1], fused[0]["memory"][1])
+    assert fused[1]["tapped"].keys() == {0, 2}                # rank 1 encoded nothing
+    assert not np.array_equal(fused[1]["memory"][0], fused[0]["memory"][0])
+
+
+def test_fused_error_feedback_resets_a_memory_that_overflows(monkeypatch, caplog):
+    # L∞ buckets of 16 holding x_0 = 3e38 + (−3e38) = 0 and x_1 = −3.4e38: g̃_0 = ±n_k/7, and
+    # g_0 − g̃_0 = 3e38 + 4.9e37 overflows for the negative level: h' is reset to zero
+    P = 2
+    n = sum(BIG)
+    g = np.zeros(n, np.float32)
+    g[0::B], g[1::B] = 3e38, -3.4e38
+    h = np.zeros(n, np.float32)
+    h[0::B] = -3e38
+    def factory():
+        return horovod_aq.ErrorFeedback(horovod_aq.QSGD(
+            bits=3, bucket_size=B, norm="linf", seed=SEED), alpha=1.0, beta=1.0)
+    with caplog.at_level("WARNING"):
+        fused = _ef_steps(monkeypatch, True, "allgather", P, "fixed", [[g, g]],
+                          factory=factory, memory=[h, h])
+        unfused = _ef_steps(monkeypatch, False, "allgather", P, "fixed", [[g, g]],
+                            factory=factory, memory=[h, h])
+    _assert_same_steps(fused, unfused)
+    assert all(not m.any() for m in fused[0]["memory"])
+    assert sum("became non-finite; reset to zero" in r.message for r in caplog.records) == 2 * P
+
+
+def test_the_fused_pass_reuses_the_replaced_memory_as_its_output(monkeypatch):
+    # double buffering: from the second step on, h' is written into the memory of two steps
+    # back, and the memory of the last step is never written
+    _, ranks = _ranks(2, "allgather", lambda: horovod_aq.ErrorFeedback(_qsgd()), numels=BIG)
+    seen = []
+    for step in range(4):
+        net = Network(2)
+        for comp, wire, bucket in ranks:
+            comp.step, wire.comm.net = step, net
+            bucket.reset()
+        before = ranks[0][0].error_memory.memory.get(ranks[0][2].name)
+        kept = None if before is None else before.clone()
+        _run(ranks, _grads(2, seed=step, numels=BIG))
+        after = ranks[0][0].error_memory.memory[ranks[0][2].name]
+        if before is not None:
+            assert after.data_ptr() != before.data_ptr()
+            assert torch.equal(before, kept)                     # h read, never written
+        seen.append(after.data_ptr())
+    assert seen[2] == seen[0] and seen[3] == seen[1]

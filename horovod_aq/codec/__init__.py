@@ -10,7 +10,7 @@ Its modules (every public name is re-exported here, so ``codec.encode`` etc. kee
   (Philox4x32-10 keyed by seed, rank, step, bucket and part), part of the format;
 * ``horovod_aq.codec.reference``: the numpy reference encoder/decoder and its eight arithmetic
   steps, which ``horovod_aq.torch.kernels`` and ``horovod_aq.tensorflow.kernels`` match byte for
-  byte.
+  byte, and ECQ-SGD's send as one operation (``encode_compensated``, docs/dynamic.md §2.6).
 * ``horovod_aq.codec.quantize`` and ``horovod_aq.codec.rows``: the oracle's arithmetic steps
   (norms, rounding, dequantizing, uniforms) and its checks and reading of gathered rows, shared
   with the entropy-coded body (``horovod_aq.codec.entropy``).
@@ -88,14 +88,22 @@ from horovod_aq.codec.quantize import (
     quantize_codes,
     rounding_variance,
 )
-from horovod_aq.codec.reference import decode, decode_average, encode, quantize, variable_rows
+from horovod_aq.codec.reference import (
+    Compensated,
+    decode,
+    decode_average,
+    encode,
+    encode_compensated,
+    quantize,
+    variable_rows,
+)
 from horovod_aq.codec.rows import check_checksums, check_data, check_rows, parse_rows
 from horovod_aq.codec.stream import StreamKey, philox4x32, seed_for_rank, stream_uniforms
 from horovod_aq.levels.stats import bucket_moments
 
 __all__ = [
-    "CHECKSUM_OFFSET", "CODES_PER_GROUP", "FLAGS_OFFSET", "FLAG_CHECKSUM", "FLAG_ENTROPY",
-    "FLAG_NONFINITE",
+    "CHECKSUM_OFFSET", "CODES_PER_GROUP", "Compensated", "FLAGS_OFFSET", "FLAG_CHECKSUM",
+    "FLAG_ENTROPY", "FLAG_NONFINITE",
     "FLOAT32_TINY", "FORMAT_VERSION", "HEADER_FIELDS", "HEADER_FORMAT", "HEADER_SIZE", "Header",
     "MAGIC", "MARKER_INDEX_OFFSET", "MAX_BUCKET_SIZE", "MAX_NUMEL", "NORM_BYTES", "NORM_CODES",
     "NORM_NAMES", "NonFiniteGradientError", "PayloadError", "StreamKey", "TABLE_ID_SLICE",
@@ -103,7 +111,8 @@ __all__ = [
     "bucket_norms", "check_bits", "check_bool", "check_bucket_size",
     "check_checksum", "check_checksums", "check_data", "check_finite", "check_header", "check_int",
     "check_norm", "check_norms", "check_payload_norms", "check_rows", "check_size", "decode",
-    "decode_average", "draw_uniforms", "empirical_entropy", "encode", "encode_entropy",
+    "decode_average", "draw_uniforms", "empirical_entropy", "encode", "encode_compensated",
+    "encode_entropy",
     "entropy_payload_size", "float32_levels", "make_header",
     "non_finite_message", "nonfinite_payload", "nonfinite_rows", "norm_overflow_message",
     "num_buckets", "pack_bits", "packed_size", "pairwise_sum_rows", "parse_header", "parse_rows",

@@ -15,6 +15,7 @@ oracle, which raises its own ``PayloadError`` ("rank r: …").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -67,7 +68,7 @@ from horovod_aq.codec.rows import parse_rows
 from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels.table import LevelTable
 
-__all__ = ["decode", "decode_average", "encode_entropy"]
+__all__ = ["decode", "decode_average", "encode_entropy", "payload_of_codes"]
 
 
 def encode_entropy(x: Any, table: LevelTable | Any, *, bucket_size: int, norm: str = "l2",
@@ -96,6 +97,18 @@ def encode_entropy(x: Any, table: LevelTable | Any, *, bucket_size: int, norm: s
     if levels is None or status >= 0:   # the oracle's own error (non-finite, overflow, table)
         raise_like_oracle(reference.encode, flat, table, bucket_size=bucket_size, norm=norm,
                           uniforms=np.zeros(n, np.float32))
+    return payload_of_codes(codes, norms, table, bucket_size, norm, checksum=checksum,
+                            fixed=lambda: encode(flat, table, bucket_size=bucket_size,
+                                                 norm=norm, key=key, checksum=checksum))
+
+
+def payload_of_codes(codes: np.ndarray, norms: np.ndarray, table: LevelTable, bucket_size: int,
+                     norm: str, *, checksum: bool,
+                     fixed: Callable[[], np.ndarray]) -> np.ndarray:
+    """The entropy-coded payload of n > 0 ``codes`` (one per byte) and their bucket ``norms``
+    (``entropy.assemble``'s bytes), or ``fixed()`` — the fixed-width payload of the same
+    codes — when the entropy-coded one would not be smaller."""
+    n, bits = codes.size, table.bits
     t = code_table_of(codes, table.num_levels)
     f, c = symbol_model(t, bits)
     states = np.empty(num_blocks(n, bits) * LANES, np.uint32)
@@ -104,8 +117,7 @@ def encode_entropy(x: Any, table: LevelTable | Any, *, bucket_size: int, norm: s
     total = _rans_encoder(bits)(codes, *encoder_tables(f, c), states, counts, words)
     size = entropy_payload_size(n, bits, bucket_size, table.num_levels, total)
     if size >= payload_size(n, bits, bucket_size):
-        return encode(flat, table, bucket_size=bucket_size, norm=norm, key=key,
-                            checksum=checksum)
+        return fixed()
     return entropy.assemble(codes, norms, table, bucket_size, norm, checksum=checksum,
                             coded=(t, states.reshape(-1, LANES), counts, words[:total]))
 

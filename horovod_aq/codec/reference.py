@@ -54,12 +54,16 @@ Where the steps are: 1–4, 6 and 8 in ``horovod_aq.codec.quantize``, 5 in
 ``horovod_aq.codec.rows``; this module writes and reads whole payloads (``encode``, ``decode``,
 ``decode_average``, ``quantize``) and hands entropy-coded ones to ``horovod_aq.codec.entropy``.
 
+Error feedback. ``encode_compensated`` defines ECQ-SGD's send as one operation (compensate,
+encode, memory update; docs/dynamic.md §2.6), which the fused kernel
+(``horovod_aq.codec.fused_compensated``) matches bit for bit.
+
 This module imports numpy only, never torch or tensorflow.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -78,7 +82,14 @@ from horovod_aq.codec.format import (
     parse_header,
     seal_checksum,
 )
-from horovod_aq.codec.quantize import dequantize, normalized, prepare, round_codes
+from horovod_aq.codec.quantize import (
+    _bucket_matrix,
+    dequantize,
+    normalized,
+    pairwise_sum_rows,
+    prepare,
+    round_codes,
+)
 from horovod_aq.codec.rows import (
     check_checksums,
     check_rows,
@@ -89,7 +100,8 @@ from horovod_aq.codec.rows import (
 from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels.table import LevelTable
 
-__all__ = ["decode", "decode_average", "encode", "quantize", "variable_rows"]
+__all__ = ["Compensated", "decode", "decode_average", "encode", "encode_compensated",
+           "memory_sum_of_squares", "quantize", "variable_rows"]
 
 
 # ---------------------------------------------------------------------------- encode / decode
@@ -239,3 +251,107 @@ def quantize(
                                                  key)
     codes = round_codes(normalized(flat, norms, bucket_size), table, u)
     return dequantize(codes, norms, table, bucket_size).astype(dtype, copy=False)
+
+
+# ---------------------------------------------------------------------------- error feedback
+
+
+class Compensated(NamedTuple):
+    """What ECQ-SGD's send of one bucket produces (``encode_compensated``)."""
+
+    #: The uint8 payload of x = g + α·h (fixed-width, or as ``codec.encode_entropy`` writes it).
+    payload: np.ndarray
+    #: h' = β·h + (g − g̃), float32, one value per coordinate of g.
+    memory: np.ndarray
+    #: Whether every value of ``memory`` is finite (g − g̃ may overflow near float32's limit).
+    memory_finite: bool
+    #: ‖h'‖² as :func:`memory_sum_of_squares` adds it (telemetry's ‖h‖, docs/dynamic.md §2.6).
+    memory_sum_of_squares: float
+
+
+def encode_compensated(
+    g: Any,
+    h: Any,
+    alpha: float,
+    beta: float,
+    levels: LevelTable | Any,
+    *,
+    bucket_size: int,
+    norm: str = "l2",
+    numel: int | None = None,
+    uniforms: Any = None,
+    key: StreamKey | None = None,
+    checksum: bool = False,
+    coding: str = "fixed",
+) -> Compensated:
+    """ECQ-SGD's send of one bucket as one operation (docs/dynamic.md §2.1, §2.6):
+
+        x  = g + α·h                x_i  = fl(g_i + fl(α·h_i))
+        payload = encode(x)         x zero-padded to ``numel`` coordinates
+        g̃  = decode(payload)        g̃_i  = n_k·L_{code_i}           (step 6)
+        h' = β·h + (g − g̃)          h'_i = fl(fl(β·h_i) + fl(g_i − g̃_i))
+
+    in float32 with α, β rounded to float32 — the operations, in this order, that
+    ``ErrorMemory.compensate_value`` (``x + alpha * h``) and ``ErrorMemory.updated_memory``
+    (``beta * h + (x - x_hat)``) run on float32 torch tensors, so h' is bitwise the unfused
+    update's. ``h`` None is the memory's first use: x = g and h' = g − g̃ (no β·0 term, as
+    ``ErrorMemory.update``; a −0.0 of g − g̃ stays −0.0).
+
+    Args:
+        g: the bucket's raw gradient (flattened, cast to float32); h: its memory (same size,
+            float32) or None.
+        numel: coordinates of the payload, ≥ g.size (default g.size): a two-phase chunk
+            (docs/protocol.md §5.2) pads g and h with zeros, x_i = +0.0 there; h' covers g only.
+        uniforms, key: the stream of ``encode`` (n = ``numel`` uniforms).
+        coding: "fixed" (``encode``) or "entropy" (``codec.encode_entropy``: the same codes,
+            so the same g̃ and h').
+
+    Raises the errors of ``encode`` for an x that cannot be encoded (NaN/±Inf, a bucket norm
+    beyond float32).
+    """
+    if coding not in ("fixed", "entropy"):
+        raise ValueError(f"coding must be 'fixed' or 'entropy', got {coding!r}")
+    g = np.asarray(g)
+    with np.errstate(over="ignore"):
+        g = g.reshape(-1).astype(np.float32, copy=False)
+    n = g.size
+    numel = n if numel is None else int(numel)
+    if numel < n:
+        raise ValueError(f"numel must be at least the {n} coordinates of g, got {numel}")
+    a, b = np.float32(alpha), np.float32(beta)
+    x = np.zeros(numel, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if h is None:
+            x[:n] = g
+        else:
+            h = np.asarray(h, dtype=np.float32).reshape(-1)
+            if h.size != n:
+                raise ValueError(f"h must have the {n} coordinates of g, got {h.size}")
+            x[:n] = g + a * h
+    if coding == "entropy":
+        from horovod_aq.codec.entropy import encode_entropy
+
+        payload = encode_entropy(x, levels, bucket_size=bucket_size, norm=norm,
+                                 uniforms=uniforms, key=key, checksum=checksum)
+    else:
+        payload = encode(x, levels, bucket_size=bucket_size, norm=norm, uniforms=uniforms,
+                         key=key, checksum=checksum)
+    g_hat = decode(payload, levels)[:n]
+    with np.errstate(over="ignore", invalid="ignore"):
+        memory = g - g_hat if h is None else b * h + (g - g_hat)
+    return Compensated(payload, memory, bool(np.isfinite(memory).all()),
+                       memory_sum_of_squares(memory, bucket_size))
+
+
+def memory_sum_of_squares(memory: np.ndarray, bucket_size: int) -> float:
+    """‖h'‖² = Σ_k S_k added in bucket order in float64, S_k = Σ float64(h'_i)² over bucket k
+    in the canonical pairwise order of the l2 norm (step 2): what the fused kernel accumulates
+    while it writes h' (docs/dynamic.md §2.6)."""
+    flat = np.asarray(memory, np.float32).reshape(-1)
+    if flat.size == 0:
+        return 0.0
+    width = 1 << max(0, min(int(bucket_size), flat.size) - 1).bit_length()
+    rows = _bucket_matrix(flat, int(bucket_size), width, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        sums = pairwise_sum_rows(rows * rows)
+        return float(np.cumsum(sums)[-1])   # sequential, in bucket order

@@ -17,6 +17,14 @@ For a bucket's raw local gradient g:
 
 :func:`send_bucket` runs these steps with the framework's callables (:class:`SendSteps`), so
 PyTorch calls it eagerly and TensorFlow at trace time (its ``branch`` is a ``tf.cond``).
+
+**Fused** (``SendSteps.encode_compensated``, where the framework has a kernel for it: the torch
+wire on CPU tensors; docs/dynamic.md §2.6): steps 1, 4 and 5 run as one pass per part, which
+returns the payloads and h' without installing it, or nothing when a bucket of x cannot travel.
+Then step 2 is that outcome: only a failed pass computes x and the first bad element for the
+markers (the same element as above) and installs nothing. Step 3 computes x only on the
+steps that record, and h' is installed last. What is sent and what h becomes are bitwise the
+unfused steps' (``codec.encode_compensated`` is the definition).
 """
 
 from __future__ import annotations
@@ -57,13 +65,22 @@ class SendSteps:
     #: (bad, on_bad, on_ok) → the payloads; :func:`python_branch` eagerly, ``tf.cond`` in a graph.
     branch: Callable[[Any, Callable[[], Payloads], Callable[[], Payloads]], Payloads] = \
         python_branch
+    #: Steps 1, 4 and 5 in one pass (module docstring; eager only), or None: raw g →
+    #: (payloads, install) — every part's payload and the callable that installs h' — or None
+    #: when a bucket of x cannot travel (nothing installed).
+    encode_compensated: Callable[[Any], tuple[Payloads, Callable[[], Any]] | None] | None = None
+    #: () → whether ``record`` records this step (the fused path computes x for it only then).
+    recording: Callable[[], bool] = lambda: True
 
 
 def send_bucket(raw: Any, steps: SendSteps,
                 update: Callable[[Any, Payloads], Any] | None = None) -> Payloads:
     """Steps 1–5 of the module docstring for the raw gradient ``raw``: the payloads to send, or
     the markers. ``update(raw, payloads)`` is step 5 (error feedback; None: no memory, or the
-    framework updates later, as the TensorFlow graph does after its checks)."""
+    framework updates later, as the TensorFlow graph does after its checks); with
+    ``steps.encode_compensated`` the fused pass updates the memory instead."""
+    if steps.encode_compensated is not None:
+        return _send_fused(raw, steps)
     x = steps.compensate(raw)                      # 1. g + α·h
     bad = steps.first_bad(raw, x)                  # 2. what cannot travel → markers
 
@@ -75,6 +92,22 @@ def send_bucket(raw: Any, steps: SendSteps,
         return sent
 
     return steps.branch(bad, lambda: steps.markers(bad), payloads)
+
+
+def _send_fused(raw: Any, steps: SendSteps) -> Payloads:
+    """Steps 1–5 with the fused pass (module docstring, "Fused")."""
+    fused = steps.encode_compensated(raw)          # 1, 4, 5: payloads and h', not installed
+    if fused is None:                              # 2. what cannot travel → markers
+        bad = steps.first_bad(raw, steps.compensate(raw))
+        if bad is None:
+            raise RuntimeError("horovod_aq: the fused error-feedback encoder refused a bucket "
+                               "that the unfused check lets travel (please report this bug)")
+        return steps.markers(bad)
+    payloads, install = fused
+    if steps.recording():
+        steps.record(steps.compensate(raw))        # 3. refit statistics of x
+    install()                                      # 5. h ← h' = β·h + (g − g̃)
+    return payloads
 
 
 def first_bad_element(raw: Any, x: Any, *, first_nonfinite: Callable[[Any], int | None],

@@ -392,7 +392,7 @@ class QuantizedHookState:
         if memory is None:
             return
         for key in [k for k in memory.memory if k not in names]:
-            del memory.memory[key]
+            memory.forget(key)
 
     # ------------------------------------------------------------------ layout
     def _name(self, p: torch.Tensor, index: int, position: int) -> str:

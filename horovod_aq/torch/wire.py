@@ -14,7 +14,8 @@ Stages of a bucket (``Bucket.stage``)::
     idle ─submit─▶ ag ──────────────────────────────▶ done     allgather (§5.1)
     idle ─submit─▶ a2a ─advance─▶ ag2 ──────────────▶ done     two-phase (§5.2)
 
-1. :meth:`Wire.submit` sends the bucket's raw float32 gradient (``packed.send.send_bucket``):
+1. :meth:`Wire.submit` sends the bucket's raw float32 gradient (``packed.send.send_bucket``;
+   with error feedback on CPU one pass encodes and updates the memory, ``torch.compensated``):
    one allgather "aq.ag.<bucket>" of the payload, or one alltoall "aq.a2a.<bucket>" of the P
    chunk payloads (markers in their place when the gradient cannot travel).
 2. :meth:`Wire.advance` (two-phase): waits for the alltoall, decides on the received chunks
@@ -86,7 +87,7 @@ from horovod_aq.packed.send import (
     sent_values,
 )
 from horovod_aq.packed.waiting import FOREVER, Deadline, wait_until
-from horovod_aq.torch import entropy, kernels, stats
+from horovod_aq.torch import compensated, entropy, kernels, stats
 
 #: What the wire times (``Wire.seconds``): encoding, decoding and averaging, waiting.
 TIMED = ("encode", "decode", "wait")
@@ -345,11 +346,16 @@ class Wire:
         q, P = self.q, self.ranks
         bucket.table, bucket.step = q.table, q.step
         self._look()
-        steps = SendSteps(compensate=lambda g: self._compensate(bucket, g),
+        fused = compensated.fusable(self, raw)   # error feedback fused into the CPU encoder
+        steps = SendSteps(compensate=lambda g: g if self.memory is None else
+                          self.memory.compensate(bucket.name, g),
                           first_bad=self._first_bad, record=self._record,
-                          parts=lambda x: self._parts(bucket, x),
+                          parts=lambda x: self.parts(bucket, x),
                           encode=lambda part, k: self._encode(bucket, part, k),
-                          markers=lambda bad: self._markers(bucket, bad, raw.device))
+                          markers=lambda bad: self._markers(bucket, bad, raw.device),
+                          encode_compensated=(lambda g: compensated.encode_compensated(
+                              self, bucket, g)) if fused else None,
+                          recording=lambda: q.recording)
         update = None if self.memory is None else (
             lambda g, sent: self._update_memory(bucket, g, sent))
         payloads = send_bucket(raw, steps, update)
@@ -380,9 +386,6 @@ class Wire:
         bucket.pending = self.comm.allgather(
             payload, name, then, delimit=lambda flat, count: payload_sizes(flat, count, trailer))
 
-    def _compensate(self, bucket: Bucket, raw: torch.Tensor) -> torch.Tensor:
-        return raw if self.memory is None else self.memory.compensate(bucket.name, raw)
-
     def _update_memory(self, bucket: Bucket, raw: torch.Tensor,
                        sent: list[torch.Tensor]) -> None:
         """h ← β·h + (g − g̃), g̃ the decode of this rank's own payloads."""
@@ -405,7 +408,7 @@ class Wire:
                            histogram=stats.normalized_histogram(x, q.bucket_size)
                            if q.wants_histogram else None)
 
-    def _parts(self, bucket: Bucket, x: torch.Tensor) -> list[torch.Tensor]:
+    def parts(self, bucket: Bucket, x: torch.Tensor) -> list[torch.Tensor]:
         """[x], or the P chunks of x padded with zeros to P·m (two-phase)."""
         if bucket.mode == "allgather":
             return [x]
@@ -416,27 +419,34 @@ class Wire:
         return list(padded.view(P, m))
 
     def _encode(self, bucket: Bucket, x: torch.Tensor, part: int) -> torch.Tensor:
-        """Encode with the format's stream of (seed, rank, step, bucket, part) (docs/format.md
-        §6): a resumed run draws exactly what an uninterrupted one would."""
-        q, measuring = self.q, self.measuring(bucket)
-        if measuring:
-            self._sync(x.device)
-        started = time.perf_counter()
-        encode = entropy.encode_entropy if bucket.variable else kernels.encode
-        payload = encode(x, bucket.table, bucket_size=q.bucket_size, norm=q.norm,
-                         key=StreamKey(q.seed, self.stream_rank, q.step, bucket.index, part),
-                         checksum=q.checksum)
-        if measuring:
-            self._sync(x.device)
-        seconds = time.perf_counter() - started
-        self.seconds["encode"] += seconds
-        if measuring:
-            self.auto.record_codec(bucket.step, bucket.coding, "encode", x.numel(), seconds)
-            if bucket.variable and part < reencode_part(self.ranks):   # first-phase sizes
-                self.auto.record_payload(bucket.step, bucket.index, x.numel(),
-                                         payload.numel(), bucket.table.bits)
+        q, encode = self.q, entropy.encode_entropy if bucket.variable else kernels.encode
+        payload = self.timed_encode(bucket, part, x.numel(), x.device, lambda key: encode(
+            x, bucket.table, bucket_size=q.bucket_size, norm=q.norm, key=key,
+            checksum=q.checksum))
         if self.tap is not None:
             self.tap(bucket, part, x, payload)
+        return payload
+
+    def timed_encode(self, bucket: Bucket, part: int, numel: int, device: torch.device,
+                     run: Callable[[StreamKey], torch.Tensor | None]) -> torch.Tensor | None:
+        """``run(key)``: the payload of ``part`` (``numel`` coordinates; None: not encodable),
+        with the format's stream of (seed, rank, step, bucket, part) (docs/format.md §6: a
+        resumed run draws exactly what an uninterrupted one would); timed into ``seconds``
+        and, on measurement steps, ``auto``."""
+        q, measuring = self.q, self.measuring(bucket)
+        if measuring:
+            self._sync(device)
+        started = time.perf_counter()
+        payload = run(StreamKey(q.seed, self.stream_rank, q.step, bucket.index, part))
+        if measuring:
+            self._sync(device)
+        seconds = time.perf_counter() - started
+        self.seconds["encode"] += seconds
+        if measuring and payload is not None:
+            self.auto.record_codec(bucket.step, bucket.coding, "encode", numel, seconds)
+            if bucket.variable and part < reencode_part(self.ranks):   # first-phase sizes
+                self.auto.record_payload(bucket.step, bucket.index, numel, payload.numel(),
+                                         bucket.table.bits)
         return payload
 
     def _markers(self, bucket: Bucket, first_bad: int, device: torch.device) -> list[torch.Tensor]:
