@@ -545,7 +545,10 @@ class _PackedOptimizer(torch.optim.Optimizer):
                 self._aq_wire.submit(bucket, bucket.buffer, bucket.present())
         for other in self._aq_buckets:   # advance finished alltoalls (overlaps the backward)
             if other.stage == "a2a" and self._aq_wire.ready(other):
-                self._aq_wire.advance(other)
+                try:
+                    self._aq_wire.advance(other)
+                except Exception as exc:   # kept for synchronize: every bucket goes out first
+                    self._aq_fail(other, exc)
         return self._aq_output(bucket, p), None
 
     def _grouped_allreduce_grad_async(self, ps):
@@ -600,12 +603,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         try:
             result = self._aq_wire.finish(bucket)
         except Exception as exc:
-            if self._aq_error is None:
-                self._aq_error = exc
-            bucket.stage, bucket.pending = "failed", None
-            bucket.result = torch.zeros(bucket.numel, dtype=torch.float32,
-                                        device=bucket.buffer.device)
-            return bucket.result
+            return self._aq_fail(bucket, exc)
         if not bucket.delivered:
             bucket.delivered = True
             if bucket.skipped:
@@ -616,6 +614,17 @@ class _PackedOptimizer(torch.optim.Optimizer):
                     result.mul_(torch.full((), self._aq_ranks, dtype=result.dtype,
                                            device=result.device))
         return result
+
+    def _aq_fail(self, bucket: _Bucket, exc: BaseException) -> torch.Tensor:
+        """A bucket that raised (the same error at the same bucket on every rank): its error is
+        kept for :meth:`synchronize`, which raises the step's first once every bucket finished,
+        and its result is zeros until then."""
+        if self._aq_error is None:
+            self._aq_error = exc
+        bucket.stage, bucket.pending = "failed", None
+        bucket.result = torch.zeros(bucket.numel, dtype=torch.float32,
+                                    device=bucket.buffer.device)
+        return bucket.result
 
     # ------------------------------------------------------------------ end of step
     def synchronize(self) -> None:
