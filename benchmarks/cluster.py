@@ -260,18 +260,19 @@ def worker(cfg: dict) -> None:
 
 
 def _auto_choices(decision) -> dict:
-    """What ``wire="auto"`` decided: buckets per (coding, exchange), the fitted link, and
-    whether it decided (False: the fallback) — or that it had not decided yet."""
+    """What ``wire="auto"`` decided: buckets per (coding, exchange), its trial time per step
+    against the fixed codes' (in the planned mode), and whether it decided (False: the
+    fallback) — or that it had not decided yet."""
     if decision is None:
         return {"decided": None}
     counts: dict[str, int] = {}
     for c in decision.choices:
         key = f"{c.coding}, {c.mode}"
         counts[key] = counts.get(key, 0) + 1
-    link = decision.link
+    first = decision.choices[0] if decision.choices else None
     return {"decided": bool(decision.decided), "step": decision.step, "choices": counts,
-            "latency_s": None if link is None else link.latency,
-            "bandwidth_Bps": None if link is None else link.bandwidth}
+            "trial_s": None if first is None else first.seconds,
+            "fixed_trial_s": None if first is None else first.fixed_seconds}
 
 
 # ============================================================================ driver
@@ -411,9 +412,9 @@ def describe_auto(auto: dict) -> str:
     choices = ", ".join(f"{n} bucket(s) {k}" for k, n in sorted(auto["choices"].items()))
     if not auto["decided"]:
         return f"`wire=\"auto\"` fell back to fixed codes from step {auto['step']}: {choices}."
-    link = (f"; fitted link α = {auto['latency_s'] * 1e3:.2f} ms, β = "
-            f"{8 * auto['bandwidth_Bps'] / 1e6:.0f} Mbit/s" if auto.get("bandwidth_Bps") else "")
-    return f"`wire=\"auto\"` chose, from step {auto['step']}: {choices}{link}."
+    trial = (f"; its trials: {auto['trial_s']:.3f} s per step against {auto['fixed_trial_s']:.3f}"
+             " s with fixed codes" if auto.get("trial_s") else "")
+    return f"`wire=\"auto\"` chose, from step {auto['step']}: {choices}{trial}."
 
 
 def format_breakdown(summary: dict, modes: list[str]) -> str:

@@ -292,12 +292,12 @@ def resume(k=3, m=4, **setup):
 
 
 #: wire="auto" in the launch: warm-up W = 1 (DDP's first, single-bucket step), measurement K = 4.
-AUTO_WARMUP, AUTO_MEASURE = 1, 4
+AUTO_WARMUP, AUTO_TRIALS = 1, 2
 
 
 def auto_wire(steps=12, resumed_steps=3):
-    """wire=AutoWire("auto", warmup_steps=1, measure_steps=4): ALQ 3-bit (refits at steps 0
-    and 4) trains; every unit's coding at every step (tapped), the decision on every rank and
+    """wire=AutoWire("auto", warmup_steps=1, trials=2): ALQ 3-bit (refits at steps 0 and 4)
+    trains; every unit's coding at every step (tapped), the decision on every rank and
     the autowire log lines; then a fresh model, DDP and hook loaded from the state_dicts train
     on with the decided wire at once."""
     import io
@@ -319,7 +319,7 @@ def auto_wire(steps=12, resumed_steps=3):
     def build(seed):
         model, net, comp, state, opt = _setup(
             seed=seed, schedule="0,4,0",
-            wire=AutoWire("auto", warmup_steps=AUTO_WARMUP, measure_steps=AUTO_MEASURE))
+            wire=AutoWire("auto", warmup_steps=AUTO_WARMUP, trials=AUTO_TRIALS))
         codings = []
         state.wire.tap = lambda u, part, values, payload: codings.append(
             (u.step, u.index, u.coding, u.mode)) if part == 0 else None
@@ -823,8 +823,9 @@ def test_hook_state_is_built_before_the_process_group(tmp_path):
 
 @pytest.mark.reads("auto_wire")
 def test_auto_wire_measures_decides_alike_switches_and_keeps_its_decision(results):
-    """wire="auto": the schedule's codings (fixed in the warm-up, alternating while measuring),
-    one agreed decision on every rank (one log line, on rank 0) used from the decision step,
+    """wire="auto": the schedule's codings (fixed in the warm-up, then each candidate in turn —
+    2 ranks: fixed and entropy-coded allgather — for every unit), one agreed decision on every
+    rank (one log line, on rank 0, naming every candidate's time) used from the decision step,
     training goes on, and the hook's state_dict brings the decision back."""
     from horovod_aq.packed.autowire import WireDecision
 
@@ -834,15 +835,16 @@ def test_auto_wire_measures_decides_alike_switches_and_keeps_its_decision(result
         np.testing.assert_array_equal(r["decision"], first["decision"])
         assert r["decided"]
     decision = WireDecision.from_array(first["decision"])
-    start = AUTO_WARMUP + AUTO_MEASURE
-    assert decision.step == start and decision.link is not None
+    start = AUTO_WARMUP + 2 * AUTO_TRIALS
+    assert decision.step == start
     assert len(decision.choices) == first["units"] == 3          # DDP's rebuilt buckets
     for r in ranks:
         for t, i, coding, mode in r["codings"]:
             if t < AUTO_WARMUP:
                 want = "fixed"
             elif t < start:
-                want = ("fixed", "entropy")[(t + i) % 2]
+                want = ("fixed", "entropy")[(t - AUTO_WARMUP) % 2]
+                assert mode == "allgather"
             else:
                 want = decision.choices[i].coding
                 assert mode == decision.choices[i].mode
@@ -851,6 +853,8 @@ def test_auto_wire_measures_decides_alike_switches_and_keeps_its_decision(result
             "fixed", "entropy"}
         assert max(t for t, _, _, _ in r["codings"]) == 11
     assert len(first["lines"]) == 1 and f"wire from step {start}" in first["lines"][0]
+    for wire in ("fixed/allgather", "entropy/allgather"):    # every candidate's trial time
+        assert first["lines"][0].count(wire) >= 1, first["lines"][0]
     assert all(not r["lines"] for r in ranks[1:])
     for r in ranks:
         assert np.mean(r["losses"][-3:]) < np.mean(r["losses"][:3])

@@ -449,7 +449,9 @@ def entropy_training(steps: int = 40):
 
 
 #: wire="auto" in the launches: warm-up W = 1, measurement K = 4 (decided from step 5).
-AUTO_WARMUP, AUTO_MEASURE = 1, 4
+AUTO_WARMUP, AUTO_TRIALS = 1, 2
+#: The trial steps at 2 ranks: two candidates (fixed and entropy-coded allgather), k each.
+AUTO_MEASURE = 2 * AUTO_TRIALS
 
 
 def _log_lines(name: str) -> list:
@@ -468,8 +470,8 @@ def _log_lines(name: str) -> list:
 
 
 def auto_wire(steps: int = 12, resumed_steps: int = 3):
-    """wire=AutoWire("auto", warmup_steps=1, measure_steps=4): ALQ 3-bit (refits at steps 0
-    and 4) trains on one batch per rank; every bucket's coding at every step (tapped), the
+    """wire=AutoWire("auto", warmup_steps=1, trials=2): ALQ 3-bit (refits at steps 0 and 4)
+    trains on one batch per rank; every bucket's coding at every step (tapped), the
     decision on every rank and the autowire log lines. Then a fresh optimizer loads the
     state_dict and trains on with the decided wire at once."""
     torch, hvd = init_torch()
@@ -488,7 +490,7 @@ def auto_wire(steps: int = 12, resumed_steps: int = 3):
         opt = aqt.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), comp,
             fusion_bytes=ENTROPY_FUSION,
-            wire=AutoWire("auto", warmup_steps=AUTO_WARMUP, measure_steps=AUTO_MEASURE))
+            wire=AutoWire("auto", warmup_steps=AUTO_WARMUP, trials=AUTO_TRIALS))
         codings = []
         opt.wire.tap = lambda b, part, values, payload: codings.append(
             (b.step, b.index, b.coding)) if part == 0 else None
@@ -936,8 +938,8 @@ def _schedule_coding(step, index, decision):
     """The coding the wire="auto" schedule gives bucket ``index`` at ``step`` (first step 0)."""
     if step < AUTO_WARMUP:
         return "fixed"
-    if step < AUTO_WARMUP + AUTO_MEASURE:
-        return ("fixed", "entropy")[(step + index) % 2]
+    if step < AUTO_WARMUP + AUTO_MEASURE:   # each candidate in turn, for every bucket
+        return ("fixed", "entropy")[(step - AUTO_WARMUP) % 2]
     return decision.choices[index].coding
 
 
@@ -951,7 +953,7 @@ def test_auto_wire_measures_decides_alike_switches_and_keeps_its_decision(launch
         np.testing.assert_array_equal(r["decision"], first["decision"])
         assert r["decided"] and r["decision_step"] == AUTO_WARMUP + AUTO_MEASURE
     decision = WireDecision.from_array(first["decision"])
-    assert decision.step == AUTO_WARMUP + AUTO_MEASURE and decision.link is not None
+    assert decision.step == AUTO_WARMUP + AUTO_MEASURE
     assert len(decision.choices) == len(first["buckets"]) == 2
     assert [c.mode for c in decision.choices] == ["allgather"] * 2     # P = 2: allgather only
     for r in results:   # the schedule, then the decision, from the decision step on
@@ -962,6 +964,7 @@ def test_auto_wire_measures_decides_alike_switches_and_keeps_its_decision(launch
         assert {c for t, _, c in r["codings"] if AUTO_WARMUP <= t < decision.step} == {
             "fixed", "entropy"}
     assert len(first["lines"]) == 1 and "wire from step 5" in first["lines"][0]
+    assert "fixed/allgather" in first["lines"][0] and "entropy/allgather" in first["lines"][0]
     assert all(not r["lines"] for r in results[1:])        # one log line, on rank 0
     for r in results:   # training goes on: the loss falls, the refit at step 4 advanced the table
         assert np.mean(r["losses"][-3:]) < np.mean(r["losses"][:3])

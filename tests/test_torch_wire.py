@@ -317,76 +317,7 @@ def test_bucket_coding_is_checked():
         wire_mod.Bucket(BucketPlan(0, "x", (0,), 4, "allgather"), ["w"], [4], coding="rans")
 
 
-# ---------------------------------------------------------------- wire="auto": what it records
-class Recorder:
-    """A stand-in for ``Wire.auto`` (the AutoWire's recording seam): measures the steps in
-    ``steps`` and keeps what the wire recorded."""
-
-    def __init__(self, steps=(0,)):
-        self.steps = set(steps)
-        self.collectives, self.codecs, self.payloads = [], [], []
-
-    def measuring(self, step):
-        return step in self.steps
-
-    def record_collective(self, step, kind, nbytes, ranks, seconds):
-        self.collectives.append((step, kind, nbytes, ranks, seconds))
-
-    def record_codec(self, step, coding, operation, coordinates, seconds):
-        self.codecs.append((step, coding, operation, coordinates, seconds))
-
-    def record_payload(self, step, index, numel, nbytes, bits):
-        self.payloads.append((step, index, numel, nbytes, bits))
-
-
-@pytest.mark.parametrize("mode, coding", [("allgather", "fixed"), ("allgather", "entropy"),
-                                          ("two_phase", "fixed"), ("two_phase", "entropy")])
-def test_a_measured_step_records_collectives_codecs_and_entropy_sizes(mode, coding):
-    P = 3
-    _, ranks = _ranks(P, mode, _qsgd, coding=coding, numels=BIG, masked=True)
-    tapped = _tap_all(ranks)
-    recorders = [Recorder() for _ in ranks]
-    for (_, wire, _), rec in zip(ranks, recorders):
-        wire.auto = rec
-    _run(ranks, _grads(P, numels=BIG))
-    n, m = sum(BIG), chunk_numel(sum(BIG), P, B)
-    mask = (len(NAMES) + 7) // 8
-    for r, rec in enumerate(recorders):
-        mine = {part: p.numel() for (rank, part), (_, p) in tapped.items() if rank == r}
-        kinds = [c[1] for c in rec.collectives]
-        assert all(c[0] == 0 and c[3] == P and c[4] >= 0 for c in rec.collectives)
-        encodes = [c for c in rec.codecs if c[2] == "encode"]
-        decodes = [c for c in rec.codecs if c[2] == "decode"]
-        assert all(c[1] == coding and c[4] >= 0 for c in rec.codecs)
-        if mode == "allgather":
-            assert kinds == ["allgather"]
-            # the largest row received (payload + presence mask): a ring round waits for it
-            largest = max(p.numel() for (_, part), (_, p) in tapped.items() if part == 0)
-            assert rec.collectives[0][2] == largest + mask
-            assert [c[3] for c in encodes] == [n] and [c[3] for c in decodes] == [P * n]
-        else:
-            assert kinds == ["alltoall", "allgather"]
-            assert rec.collectives[0][2] == sum(mine[k] for k in range(P)) + P * mask
-            assert [c[3] for c in encodes] == [m] * (P + 1)       # P chunks, one re-encode
-            assert [c[3] for c in decodes] == [P * m, P * m]
-        if coding == "fixed":
-            assert rec.payloads == []
-        else:   # the first-phase payloads' sizes (not the re-encoded chunk's)
-            parts = 1 if mode == "allgather" else P
-            assert rec.payloads == [(0, 3, n if mode == "allgather" else m, mine[k], 3)
-                                    for k in range(parts)]
-
-
-def test_steps_that_are_not_measured_record_nothing():
-    P = 2
-    _, ranks = _ranks(P, "two_phase", _qsgd, coding="entropy", numels=BIG)
-    recorders = [Recorder(steps=(1,)) for _ in ranks]     # the exchange runs at step 0
-    for (_, wire, _), rec in zip(ranks, recorders):
-        wire.auto = rec
-    _run(ranks, _grads(P, numels=BIG))
-    assert all(not (r.collectives or r.codecs or r.payloads) for r in recorders)
-
-
+# ---------------------------------------------------------------- wire="auto"
 def test_wire_setting_schedule_digest_decision_and_state():
     from horovod_aq.packed.autowire import AutoWire
     from horovod_aq.packed.wire_setting import WireSetting
@@ -394,20 +325,23 @@ def test_wire_setting_schedule_digest_decision_and_state():
 
     plans = [BucketPlan(0, "a", (0,), 4000, "allgather"), BucketPlan(1, "b", (1,), 3000,
                                                                      "allgather")]
-    comp = _qsgd()
+    sent = {"bytes_sent": 100, "payload_bytes": 100}
     fixed = WireSetting("fixed", name="x")
     assert fixed.digest() == "fixed" and fixed.coding(5, 0) == "fixed"
-    assert fixed.end_step(5, LocalComm(), plans, bits=3, compression=comp,
-                          exchange="auto") is None
+    assert fixed.end_step(5, LocalComm(), plans, sent=sent) is None
     with pytest.raises(ValueError, match="wire must be one of"):
         WireSetting("rans", name="x")
-    s = WireSetting(AutoWire("auto", warmup_steps=1, measure_steps=2), name="ex.key")
+    s = WireSetting(AutoWire("auto", warmup_steps=1, trials=1), name="ex.key")
     assert s.auto.name == "ex.key" and s.wire == "auto"
-    assert [s.coding(t, 0) for t in range(3)] == ["fixed", "entropy", "fixed"]
+    # one rank: allgather only, so two candidates (fixed, entropy), one trial step each
+    assert [s.coding(t, 0) for t in range(3)] == ["fixed", "fixed", "entropy"]
     assert [s.coding(t, 1) for t in range(3)] == ["fixed", "fixed", "entropy"]
+    assert [s.mode(t, 1, "allgather") for t in range(3)] == ["allgather"] * 3
     undecided = s.digest()
-    assert s.end_step(1, LocalComm(), plans, bits=3, compression=comp, exchange="auto") is None
-    decision = s.end_step(2, LocalComm(), plans, bits=3, compression=comp, exchange="auto")
+    assert undecided == "auto(warmup=1,trials=1)"
+    assert s.end_step(0, LocalComm(), plans, sent=sent) is None
+    assert s.end_step(1, LocalComm(), plans, sent=sent) is None
+    decision = s.end_step(2, LocalComm(), plans, sent=sent)
     assert decision is not None and decision.step == 3 and s.decision is decision
     assert s.digest() != undecided                  # the handshake compares the decision
     assert s.coding(3, 1) == "fixed" and s.coding(3, 7) == "fixed"   # unknown bucket: fixed
@@ -420,9 +354,12 @@ def test_wire_setting_schedule_digest_decision_and_state():
     other = WireSetting("auto", name="ex.key")   # a decision for other buckets is dropped
     other.load_state_dict(state, plans[:1])
     assert other.decision is None
+    old = {**state, "decision": [1.0] + state["decision"][1:]}   # an older format: measure
+    older = WireSetting("auto", name="ex.key")
+    older.load_state_dict(old, plans)
+    assert older.decision is None
     # the buckets changed after the decision: measure again from the next step
-    assert s.end_step(4, LocalComm(), plans[:1], bits=3, compression=comp,
-                      exchange="auto") is None
+    assert s.end_step(4, LocalComm(), plans[:1], sent=sent) is None
     assert s.decision is None and s.auto.decision_step == 5 + 1 + 2
 
 

@@ -1,35 +1,44 @@
-"""``wire="auto"``: when the wire is measured, who decides, and when the decision takes effect
-(docs/protocol.md §5.5). Every rank runs the same schedule, a function of the global step:
+"""``wire="auto"``: which wire the buckets take, decided by timing the candidates on the job's
+own steps (docs/protocol.md §5.5). Every rank runs the same schedule, a function of the global
+step, over the same candidates (:func:`candidates`: every coding, "fixed" and "entropy", in
+every exchange mode the set size allows, the fixed codes in the planned mode first):
 
-===========================================  ===================================================
-steps (s = first exchanged step)             what the wire does
-===========================================  ===================================================
-s … s + W − 1            (warm-up)           fixed codes, nothing recorded (compiles, allocators)
-s + W … s + W + K − 1    (measurement)       bucket i at step t sends ``MEASURE_CODINGS[(t + i)
-                                             mod 2]``, so every step and every bucket has both
-                                             codings; collectives, codec calls and entropy
-                                             payload sizes are recorded
-end of step s + W + K − 1 (the boundary)     :meth:`AutoWire.decide`: agreement (below)
-s + W + K …                                  the decided (coding, mode) of every bucket
-===========================================  ===================================================
+=============================================  =================================================
+steps (s = first exchanged step, C candidates)  what the wire does
+=============================================  =================================================
+s … s + W − 1             (warm-up)             fixed codes, planned modes (compiles, allocators)
+s + W + j, 0 ≤ j < C·k    (trials)              every bucket takes candidate j mod C; each rank
+                                                records the step's seconds (from the end of the
+                                                step before) and the bytes it sent
+end of step s + W + C·k − 1 (the boundary)      :meth:`AutoWire.decide`: agreement (below)
+s + W + C·k …                                   the decided candidate
+=============================================  =================================================
 
-**Agreement** (the refit protocol's shape, refit.py): one allgather of every rank's sample count
-(int64), one allgather of the samples padded to the largest count (float64 rows, NaN padding),
-the fit and the choice on rank 0 (:mod:`.link`, :mod:`.choice`), one broadcast of the decision
+**Why trials and not a model.** The candidates are interleaved, so slow drifts of a shared host
+hit them alike, and what is compared is what the user waits for: whole steps, with the overlap
+of the backward pass, the ranks' contention for cores, the mix of fast and slow links of several
+ranks per host, none of which a model of one link captures (issue: a fitted ring model picked
+allgather where two-phase was 2-3x faster).
+
+**Decision** (on rank 0, ``choice.choose``). A step's time is the slowest rank's; a candidate's
+is the mean of the faster half of its k steps (robust to slow steps: a cache miss, a
+descheduled rank). The fastest candidate wins, unless the candidate that sends the fewest bytes
+is within ``TOLERANCE`` of it: then that one, since the measurement cannot tell them apart and
+fewer bytes leave more room on a busy network. The log line says which and why.
+
+**Agreement** (the refit protocol's shape, refit.py): one allgather of every rank's trial rows
+(float64, a fixed count per rank), the choice on rank 0, one broadcast of the decision
 (:class:`WireDecision` as a float64 vector). Every rank installs exactly the root's vector, so
-every rank takes the same path; a failure on the root is broadcast as a fallback decision (fixed
-codes, the planned modes). Rank 0 logs one line per decision. The decision is part of
-:meth:`AutoWire.state_dict`, so a resumed job keeps it; an unfinished measurement restarts at
-the first step after the resume.
-
-A bucket's entropy size is the *largest* over ranks of each rank's median body bits per
-coordinate h (a ring allgather's round waits for its largest block).
+every rank takes the same path; a failure on the root is broadcast as a fallback decision
+(fixed codes, the planned modes). The decision is part of :meth:`AutoWire.state_dict`, so a
+resumed job keeps it; an unfinished measurement restarts at the first step after the resume.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,42 +47,30 @@ from typing import Any
 import numpy as np
 
 from horovod_aq.packed.choice import (
+    CODINGS,
     MODES,
     WIRES,
+    Trials,
     WireChoice,
-    body_bits,
-    choose_wires,
-)
-from horovod_aq.packed.link import (
-    CODINGS,
-    KINDS,
-    OPERATIONS,
-    CodecSample,
-    LinkModel,
-    LinkSample,
-    fit_codec,
-    fit_link,
+    candidates,
+    choose,
 )
 from horovod_aq.packed.plan import BucketPlan
 
 logger = logging.getLogger(__name__)
 
-#: Warm-up steps W before measuring: the first steps compile kernels (Triton, TF graphs) and
-#: grow allocators, so their times are not the link's.
+#: Warm-up steps W before the trials: the first steps compile kernels (numba, Triton, TF graphs)
+#: and grow allocators, and the last of them starts the first trial's clock.
 WARMUP_STEPS = 2
-#: Measurement steps K: each bucket sends each coding K/2 times.
-MEASURE_STEPS = 8
-#: The coding of bucket i at measurement step t is MEASURE_CODINGS[(t + i) % 2].
-MEASURE_CODINGS = ("fixed", "entropy")
-#: Most sample rows a rank keeps (5 float64 each: 160 kB in the agreement's allgather).
-MAX_SAMPLE_ROWS = 4096
-#: Row tags of the gathered samples: a collective, a codec call, an entropy payload's size.
-TAG_LINK, TAG_CODEC, TAG_SIZE = 0.0, 1.0, 2.0
-ROW = 5
+#: Trial steps k per candidate.
+TRIALS = 4
+#: Values per trial row a rank records: the trial's index j, the step's seconds (NaN: no clock
+#: yet), the bytes this rank sent and the bytes of its first-phase payloads.
+ROW = 4
 #: First slot of the decision vector (its format), and its status values.
-DECISION_FORMAT = 1.0
+DECISION_FORMAT = 2.0
 DECIDED, FALLBACK = 1.0, 0.0
-HEAD = 10  # format, status, step, layout, α, β, identified, clamped, classes, buckets
+HEAD = 5  # format, status, step, layout, buckets
 PER_BUCKET = 5  # coding, mode, seconds, fixed seconds, bits per coordinate
 
 
@@ -84,24 +81,18 @@ def plans_digest(plans: Sequence[BucketPlan]) -> int:
 
 @dataclass(frozen=True)
 class WireDecision:
-    """The agreed wire of every bucket from ``step`` on, for the plans of digest ``layout``.
-
-    ``decided``: False for the fallback (the root could not fit: fixed codes, planned modes);
-    ``link``: the fitted model (None when nothing was fitted)."""
+    """The agreed wire of every bucket from ``step`` on, for the plans of digest ``layout``;
+    ``decided``: False for the fallback (fixed codes, planned modes)."""
 
     step: int
     layout: int
     choices: tuple[WireChoice, ...]
-    link: LinkModel | None
     decided: bool = True
 
     def to_array(self) -> np.ndarray:
         """The broadcast vector: HEAD slots, then PER_BUCKET per bucket."""
-        head = [DECISION_FORMAT, DECIDED if self.decided else FALLBACK, self.step, self.layout]
-        link = self.link
-        head += ([link.latency, link.bandwidth, link.identified, link.clamped, link.classes]
-                 if link is not None else [np.nan] * 5)
-        head.append(len(self.choices))
+        head = [DECISION_FORMAT, DECIDED if self.decided else FALLBACK, self.step, self.layout,
+                len(self.choices)]
         body = [[CODINGS.index(c.coding), MODES.index(c.mode), c.seconds, c.fixed_seconds,
                  c.bits_per_coordinate] for c in self.choices]
         return np.concatenate([np.array(head, dtype=np.float64),
@@ -110,27 +101,13 @@ class WireDecision:
     @classmethod
     def from_array(cls, array: Any) -> WireDecision:
         a = np.asarray(array, dtype=np.float64).reshape(-1)
-        if a.size < HEAD or a[0] != DECISION_FORMAT or a.size != HEAD + PER_BUCKET * int(a[9]):
+        if a.size < HEAD or a[0] != DECISION_FORMAT or a.size != HEAD + PER_BUCKET * int(a[4]):
             raise ValueError(f"not a wire decision vector (format {DECISION_FORMAT:g}, "
                              f"{HEAD} + {PER_BUCKET}·buckets values): {a.size} values")
-        link = None if np.isnan(a[4]) else LinkModel(float(a[4]), float(a[5]), bool(a[6]),
-                                                     bool(a[7]), int(a[8]))
         rows = a[HEAD:].reshape(-1, PER_BUCKET)
         choices = tuple(WireChoice(CODINGS[int(r[0])], MODES[int(r[1])], float(r[2]),
                                    float(r[3]), float(r[4])) for r in rows)
-        return cls(int(a[2]), int(a[3]), choices, link, a[1] == DECIDED)
-
-    def describe(self, plans: Sequence[BucketPlan]) -> str:
-        """The one log line of this decision."""
-        link = self.link
-        head = (f"horovod_aq: wire from step {self.step}: "
-                + (f"link α = {link.latency * 1e6:.1f} µs, β = {link.bandwidth * 8 / 1e9:.3g} "
-                   f"Gbit/s ({link.note})" if link is not None else "no link model")
-                + ("" if self.decided else " [fallback: the root could not fit]"))
-        buckets = [f"{p.name} ({p.numel}): {c.coding}/{c.mode} {c.bits_per_coordinate:.2f} "
-                   f"bits/coord, {c.seconds * 1e3:.3g} ms (fixed {c.fixed_seconds * 1e3:.3g} ms)"
-                   for p, c in zip(plans, self.choices)]
-        return head + "; " + "; ".join(buckets)
+        return cls(int(a[2]), int(a[3]), choices, a[1] == DECIDED)
 
 
 def with_modes(plans: Sequence[BucketPlan], decision: WireDecision) -> list[BucketPlan]:
@@ -142,51 +119,62 @@ def with_modes(plans: Sequence[BucketPlan], decision: WireDecision) -> list[Buck
 
 
 class AutoWire:
-    """The schedule, samples and decision of ``wire`` ("auto", or a forced coding) of one
+    """The schedule, trials and decision of ``wire`` ("auto", or a forced coding) of one
     exchange (module docstring). ``name`` makes the agreement's collective names unique and
-    rank-independent (e.g. the exchange key)."""
+    rank-independent (e.g. the exchange key); ``exchange``: "auto" or a forced mode; ``ranks``:
+    the set size, known when the engine attaches (:mod:`.wire_setting`)."""
 
-    __slots__ = ("wire", "warmup_steps", "measure_steps", "name", "start", "decision",
-                 "_rows", "_dropped")
+    __slots__ = ("wire", "warmup_steps", "trials", "name", "exchange", "ranks", "start",
+                 "decision", "_rows")
 
     def __init__(self, wire: str = "auto", *, warmup_steps: int = WARMUP_STEPS,
-                 measure_steps: int = MEASURE_STEPS, name: str = "wire") -> None:
+                 trials: int = TRIALS, name: str = "wire", exchange: str = "auto",
+                 ranks: int = 1) -> None:
         if wire not in WIRES:
             raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
-        if warmup_steps < 0 or measure_steps < 2:
-            raise ValueError("warmup_steps must be >= 0 and measure_steps >= 2 (both codings "
-                             f"are measured), got {warmup_steps} and {measure_steps}")
+        if warmup_steps < 1 or trials < 1:
+            raise ValueError("warmup_steps must be >= 1 (its last step starts the first "
+                             f"trial's clock) and trials >= 1, got {warmup_steps} and {trials}")
         self.wire = wire
-        self.warmup_steps = int(warmup_steps)
-        self.measure_steps = int(measure_steps)
-        self.name = name
+        self.warmup_steps, self.trials = int(warmup_steps), int(trials)
+        self.name, self.exchange, self.ranks = name, exchange, int(ranks)
         self.start: int | None = None
         self.decision: WireDecision | None = None
         self._rows: list[tuple[float, ...]] = []
-        self._dropped = 0
 
     # ------------------------------------------------------------------ schedule
+    @property
+    def candidates(self) -> tuple[WireChoice, ...]:
+        """The wires the trials compare (``choice.candidates`` for this set and exchange)."""
+        return candidates(self.ranks, self.exchange)
+
+    @property
+    def measure_steps(self) -> int:
+        """C·k: the trial steps."""
+        return len(self.candidates) * self.trials
+
     def begin(self, step: int) -> None:
         """Anchor the schedule at the first exchanged step (the same on every rank)."""
         if self.start is None:
             self.start = int(step)
 
     def restart(self, step: int) -> None:
-        """Forget the decision and samples; measure again from ``step`` (after a re-plan)."""
+        """Forget the decision and trials; measure again from ``step`` (after a re-plan)."""
         self.start, self.decision = int(step), None
         self._rows.clear()
 
     @property
     def decision_step(self) -> int | None:
-        """The first step of the decided wire: s + W + K."""
-        return None if self.start is None else self.start + self.warmup_steps + self.measure_steps
+        """The first step of the decided wire: s + W + C·k."""
+        return None if self.start is None else (self.start + self.warmup_steps
+                                                + self.measure_steps)
 
-    def measuring(self, step: int) -> bool:
-        """Whether ``step`` is a measurement step."""
+    def trial(self, step: int) -> int | None:
+        """The trial index j of ``step`` (None: not a trial step)."""
         if self.wire != "auto" or self.decision is not None or self.start is None:
-            return False
-        first = self.start + self.warmup_steps
-        return first <= step < first + self.measure_steps
+            return None
+        j = step - self.start - self.warmup_steps
+        return j if 0 <= j < self.measure_steps else None
 
     def due(self, step: int) -> bool:
         """Whether :meth:`decide` runs at the end of ``step``."""
@@ -194,72 +182,38 @@ class AutoWire:
         return (self.wire == "auto" and self.decision is None and end is not None
                 and step >= end - 1)
 
+    def _wire_at(self, step: int, index: int) -> WireChoice | None:
+        """The decided or trial wire of bucket ``index`` at ``step`` (None: warm-up)."""
+        if self.decision is not None and step >= self.decision.step:
+            return self.decision.choices[index]
+        j = self.trial(step)
+        return None if j is None else self.candidates[j % len(self.candidates)]
+
     def coding(self, step: int, index: int) -> str:
         """The coding bucket ``index`` sends at ``step`` (anchors the schedule on first use)."""
         self.begin(step)
         if self.wire != "auto":
             return self.wire
-        if self.decision is not None and step >= self.decision.step:
-            return self.decision.choices[index].coding
-        if self.measuring(step):
-            return MEASURE_CODINGS[(step + index) % 2]
-        return "fixed"
+        found = self._wire_at(step, index)
+        return "fixed" if found is None else found.coding
 
     def mode(self, step: int, index: int, planned: str) -> str:
-        """The mode of bucket ``index`` at ``step``: the decided one, else ``planned``."""
-        if self.decision is not None and step >= self.decision.step:
-            return self.decision.choices[index].mode
-        return planned
+        """The mode of bucket ``index`` at ``step``: the trial's or the decided one, else
+        ``planned``."""
+        found = self._wire_at(step, index) if self.wire == "auto" else None
+        return planned if found is None else found.mode
 
-    # ------------------------------------------------------------------ samples
-    def _keep(self, step: int, make: Any, row: tuple[float, ...]) -> None:
-        if not self.measuring(step):
-            return
-        try:
-            make()
-        except ValueError as exc:
-            self._drop(f"invalid sample dropped: {exc}")
-            return
-        if len(self._rows) >= MAX_SAMPLE_ROWS:
-            self._drop(f"more than {MAX_SAMPLE_ROWS} samples on this rank, later ones dropped")
-            return
-        self._rows.append(row)
-
-    def _drop(self, why: str) -> None:
-        # A bad sample must not raise on one rank while the others go on into a collective.
-        if not self._dropped:
-            logger.warning("horovod_aq: wire measurement: %s", why)
-        self._dropped += 1
-
-    def record_collective(self, step: int, kind: str, nbytes: float, ranks: int,
-                          seconds: float) -> None:
-        """A collective of a measurement step (:class:`~.link.LinkSample`); ignored on other
-        steps, dropped with one warning when invalid."""
-        self._keep(step, lambda: LinkSample(kind, nbytes, ranks, seconds),
-                   (TAG_LINK, KINDS.index(kind) if kind in KINDS else -1, nbytes, ranks,
-                    seconds))
-
-    def record_codec(self, step: int, coding: str, operation: str, coordinates: float,
-                     seconds: float) -> None:
-        """One encode or decode call (:class:`~.link.CodecSample`)."""
-        self._keep(step, lambda: CodecSample(coding, operation, coordinates, seconds),
-                   (TAG_CODEC, CODINGS.index(coding) if coding in CODINGS else -1,
-                    OPERATIONS.index(operation) if operation in OPERATIONS else -1,
-                    coordinates, seconds))
-
-    def record_payload(self, step: int, index: int, numel: int, nbytes: int,
-                       bits: int) -> None:
-        """The size of one payload bucket ``index`` sent entropy-coded (``numel``: the
-        coordinates of that payload — the bucket, or a two-phase chunk)."""
-        def check() -> None:
-            if index < 0 or numel <= 0 or nbytes <= 0 or not 1 <= bits <= 8:
-                raise ValueError(f"payload sample needs index >= 0, numel > 0, bytes > 0 and "
-                                 f"bits in 1..8, got {(index, numel, nbytes, bits)}")
-        self._keep(step, check, (TAG_SIZE, index, numel, nbytes, bits))
+    # ------------------------------------------------------------------ trials
+    def record_step(self, step: int, seconds: float, bytes_sent: float,
+                    payload_bytes: float) -> None:
+        """The end of exchanged step ``step`` on this rank: its seconds (from the end of the
+        step before; NaN: unknown) and the bytes it sent; kept on trial steps."""
+        j = self.trial(step)
+        if j is not None:
+            self._rows.append((j, seconds, bytes_sent, payload_bytes))
 
     # ------------------------------------------------------------------ agreement
-    def decide(self, comm: Any, plans: Sequence[BucketPlan], *, bits: int, bucket_size: int,
-               num_levels: int, exchange: str = "auto") -> WireDecision:
+    def decide(self, comm: Any, plans: Sequence[BucketPlan]) -> WireDecision:
         """The agreement of the module docstring over ``comm`` (a refit ``Comm``); every rank
         returns and keeps the root's decision, effective from :attr:`decision_step`."""
         if self.start is None:
@@ -267,49 +221,60 @@ class AutoWire:
         step, layout = int(self.decision_step), plans_digest(plans)
         if comm.size <= 1:
             decision = WireDecision(step, layout, tuple(
-                WireChoice("fixed", "allgather") for _ in plans), None, True)
+                WireChoice("fixed", p.mode) for p in plans), True)
         else:
-            rows = self._gathered(comm)
+            mine = np.full((self.measure_steps, ROW), np.nan, dtype=np.float64)
+            for row in self._rows[:self.measure_steps]:
+                mine[int(row[0])] = row
+            every = comm.allgather(mine.reshape(-1), name=f"aq.wire.trials.{self.name}")
             message = np.zeros(HEAD + PER_BUCKET * len(plans), dtype=np.float64)
             if comm.rank == 0:
-                message = self._root(rows, plans, comm.size, step, layout, bits=bits,
-                                     bucket_size=bucket_size, num_levels=num_levels,
-                                     exchange=exchange).to_array()
+                message = self._root(np.asarray(every, dtype=np.float64).reshape(
+                    comm.size, self.measure_steps, ROW), plans, step, layout).to_array()
             message = comm.broadcast(message, root=0, name=f"aq.wire.decision.{self.name}")
             decision = WireDecision.from_array(message)
         self.decision = decision
         self._rows.clear()
-        if comm.rank == 0:
-            logger.info("%s", decision.describe(plans))
         return decision
 
-    def _gathered(self, comm: Any) -> list[np.ndarray]:
-        """Every rank's sample rows ([count, ROW] each), by rank."""
-        counts = comm.allgather(np.array([len(self._rows)], dtype=np.int64),
-                                name=f"aq.wire.count.{self.name}").reshape(-1)
-        longest = int(counts.max())
-        mine = np.full((longest, ROW), np.nan, dtype=np.float64)
-        if self._rows:
-            mine[:len(self._rows)] = np.array(self._rows, dtype=np.float64)
-        every = comm.allgather(mine.reshape(-1), name=f"aq.wire.samples.{self.name}")
-        every = np.asarray(every, dtype=np.float64).reshape(comm.size, longest, ROW)
-        return [every[r, :int(counts[r])] for r in range(comm.size)]
-
-    def _root(self, rows: list[np.ndarray], plans: Sequence[BucketPlan], ranks: int, step: int,
-              layout: int, **kw: Any) -> WireDecision:
-        """Fit and choose on the root; any failure is the fallback decision."""
+    def _root(self, rows: np.ndarray, plans: Sequence[BucketPlan], step: int,
+              layout: int) -> WireDecision:
+        """The trials of every rank ([P, C·k, ROW]) → the decision, logged; any failure is
+        the fallback decision."""
         try:
-            link, codec, hs = unpack_samples(rows, len(plans), bits=kw["bits"],
-                                             bucket_size=kw["bucket_size"],
-                                             num_levels=kw["num_levels"])
-            choices = choose_wires([p.numel for p in plans], hs, ranks=ranks, link=link,
-                                   codec=codec, wire="auto", **kw)
-            return WireDecision(step, layout, tuple(choices), link, True)
+            with warnings.catch_warnings():   # steps no rank timed stay NaN (dropped below)
+                warnings.simplefilter("ignore", RuntimeWarning)
+                seconds = np.nanmax(rows[:, :, 1], axis=0)       # a step: its slowest rank
+                sent = np.nansum(rows[:, :, 2], axis=0)          # bytes of every rank
+                payload = np.nanmean(rows[:, :, 3], axis=0)      # one rank's payload bytes
+            wires = self.candidates
+            count = len(wires)
+            trials = []
+            for c in range(count):
+                steps = [j for j in range(self.measure_steps)
+                         if j % count == c and np.isfinite(seconds[j])]
+                trials.append(Trials(tuple(float(seconds[j]) for j in steps),
+                                     tuple(float(sent[j]) for j in steps)))
+            chosen, why = choose(trials)
+            numel = sum(p.numel for p in plans)
+            bits = 8.0 * float(np.mean([payload[j] for j in range(self.measure_steps)
+                                        if j % count == chosen])) / max(1, numel)
+            wire = wires[chosen]
+            choice = WireChoice(wire.coding, wire.mode, trials[chosen].time, trials[0].time,
+                                bits)
+            logger.info(
+                "horovod_aq: %s: wire from step %d: %s/%s for every bucket, %.4g s per step, "
+                "%.3g bits/coordinate: %s; trials (faster half of %d steps, slowest rank; bytes "
+                "sent by all ranks per step): %s", self.name, step, wire.coding, wire.mode,
+                choice.seconds, bits, why, self.trials, "; ".join(
+                    f"{w.coding}/{w.mode} {t.time:.4g} s {t.bytes / 1e6:.4g} MB"
+                    for w, t in zip(wires, trials)))
+            return WireDecision(step, layout, tuple(choice for _ in plans), True)
         except Exception as exc:  # noqa: BLE001 - any failure gives every rank the fallback
             logger.warning("horovod_aq: the wire choice failed on the root, every rank keeps "
                            "fixed codes and the planned modes: %s", exc)
             return WireDecision(step, layout, tuple(WireChoice("fixed", p.mode) for p in plans),
-                                None, False)
+                                False)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -318,8 +283,8 @@ class AutoWire:
                 "decision": None if self.decision is None else self.decision.to_array().tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a decision; without one (or saved under another ``wire``) the measurement
-        restarts at the first step after the resume."""
+        """Restore a decision; without one (or saved under another ``wire``, or in an older
+        format) the measurement restarts at the first step after the resume."""
         self.start, self.decision = None, None
         self._rows.clear()
         if state.get("wire") != self.wire:
@@ -327,28 +292,14 @@ class AutoWire:
                         "again", state.get("wire"), self.wire)
             return
         if state.get("decision") is not None:
-            self.decision = WireDecision.from_array(state["decision"])
+            try:
+                self.decision = WireDecision.from_array(state["decision"])
+            except ValueError as exc:
+                logger.info("horovod_aq: the checkpoint's wire decision is not this version's "
+                            "(%s): measuring again", exc)
+                return
             self.start = state.get("start")
 
 
-def unpack_samples(rows: Sequence[np.ndarray], buckets: int, *, bits: int, bucket_size: int,
-                   num_levels: int) -> tuple[LinkModel, Any, list[float | None]]:
-    """(link model, codec costs, h per bucket) from every rank's sample rows. h of a bucket:
-    the largest over ranks of each rank's median body bits per coordinate at ``bits`` (None:
-    no entropy payload of the bucket was measured)."""
-    all_rows = np.concatenate([np.asarray(r, dtype=np.float64).reshape(-1, ROW) for r in rows])
-    link = fit_link(LinkSample(KINDS[int(r[1])], r[2], int(r[3]), r[4])
-                    for r in all_rows if r[0] == TAG_LINK)
-    codec = fit_codec(CodecSample(CODINGS[int(r[1])], OPERATIONS[int(r[2])], r[3], r[4])
-                      for r in all_rows if r[0] == TAG_CODEC)
-    hs: list[float | None] = []
-    for i in range(buckets):
-        per_rank = []
-        for mine in rows:
-            h = [body_bits(int(r[2]), int(r[3]), bits, bucket_size, num_levels)
-                 for r in np.asarray(mine).reshape(-1, ROW)
-                 if r[0] == TAG_SIZE and int(r[1]) == i and int(r[4]) == bits]
-            if h:
-                per_rank.append(float(np.median(h)))
-        hs.append(max(per_rank) if per_rank else None)
-    return link, codec, hs
+__all__ = ["AutoWire", "DECISION_FORMAT", "ROW", "TRIALS", "WARMUP_STEPS", "WireDecision",
+           "plans_digest", "with_modes"]

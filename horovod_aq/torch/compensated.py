@@ -5,8 +5,8 @@ memory in one pass per part (docs/dynamic.md §2.6), on CPU tensors.
 :class:`~horovod_aq.torch.wire.Wire`: for each part — the whole bucket (allgather, part 0) or
 chunk k of its zero padding to P·m coordinates (two-phase first phase, part k; the averaged
 chunk's re-encode has no memory) — it runs ``codec.fused_compensated.try_encode_compensated``
-on zero-copy numpy views of g, h and the output buffer, with the wire's stream key, timing and
-measurement (``Wire.timed_encode``). h' goes into the memory's spare buffer
+on zero-copy numpy views of g, h and the output buffer, with the wire's stream key and its
+timing (``Wire.timed_encode``). h' goes into the memory's spare buffer
 (``ErrorMemory.spare``; allocated the first time), is installed by the returned callable after
 the send succeeded, and never where a bucket cannot travel: the wire then sends markers
 (docs/protocol.md §4) and h stays as it was. The tap, when set, sees x = g + α·h, computed for
@@ -75,7 +75,7 @@ def encode_compensated(wire: Any, bucket: Any,
             sent.append(found)
             return None if found is None else torch.from_numpy(found.payload)
 
-        payload = wire.timed_encode(bucket, part, size, g.device, run)
+        payload = wire.timed_encode(bucket, part, run)
         if payload is None:
             return None
         payloads.append(payload)

@@ -187,7 +187,8 @@ class QuantizedHookState:
         self.settings = ExchangeSettings(exchange, network=network)
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.prefix = op_name(name or f"{compression.name}.ddp")
-        self._wire_setting = WireSetting(wire, name=self.prefix)
+        self._wire_setting = WireSetting(wire, name=self.prefix,
+                                         exchange=self.settings.exchange)
         self._deadline = Deadline(stall_timeout_of(stall_timeout_s),
                                   step=lambda: compression.quantizer.step)
         self._group, self._resolved = process_group, False
@@ -238,7 +239,8 @@ class QuantizedHookState:
         check_wire(wire)
         if wire == self.coding:
             return
-        self._wire_setting = WireSetting(wire, name=self.prefix)
+        self._wire_setting = WireSetting(wire, name=self.prefix,
+                                         exchange=self.settings.exchange)
         if self._wire is not None:
             self._wire_setting.attach(self._wire)
         self._checked.clear()
@@ -358,16 +360,17 @@ class QuantizedHookState:
         self._record(units, refitted)
 
     def _end_wire(self, units: list[_Unit]) -> None:
-        """``wire="auto"``: the agreement at the end of the step it is due (every rank), for
-        this step's quantized units in index order; the ranks compare the decided wire again
-        before the next exchange of every unit (a changed mode changes the layout)."""
+        """``wire="auto"``: the step's time and bytes go to the trials, and the agreement runs
+        at the end of the step it is due (every rank), for this step's quantized units in index
+        order; the ranks compare the decided wire again before the next exchange of every unit
+        (a changed mode changes the layout)."""
         if self._started is None:
             return
-        step, bits = self._started
-        plans = sorted((u.plan for u in units if u.mode != ALLREDUCE), key=lambda p: p.index)
-        if self._wire_setting.end_step(step, self._comm, plans, bits=bits,
-                                       compression=self.compression,
-                                       exchange=self.settings.exchange) is not None:
+        step = self._started[0]
+        plans = sorted((self._plans[(u.index, u.names)] for u in units if u.mode != ALLREDUCE),
+                       key=lambda p: p.index)   # as planned (the trials change the modes)
+        if self._wire_setting.end_step(step, self._comm, plans,
+                                       sent=self.wire.sent) is not None:
             self._checked.clear()
 
     def _record(self, units: list[_Unit], refitted: bool) -> None:

@@ -254,7 +254,8 @@ class _PackedOptimizer(torch.optim.Optimizer):
             settings.exchange, settings.fusion_bytes, settings.small_tensor_threshold,
             self._aq_ranks, self.backward_passes_per_step, self._aq_groups_key))
         #: How the buckets' payloads are coded, per step (``wire=``; docs/protocol.md §5.5).
-        self._aq_wire_setting = WireSetting(self._aq_wire_arg, name=self._aq_prefix)
+        self._aq_wire_setting = WireSetting(self._aq_wire_arg, name=self._aq_prefix,
+                                            exchange=settings.exchange)
         if self._aq_wire is not None:
             self._aq_wire_setting.attach(self._aq_wire)
         self._aq_traffic: dict[int, Traffic] = {}
@@ -504,8 +505,20 @@ class _PackedOptimizer(torch.optim.Optimizer):
             self._aq_submit_agreement()
             step = self._aq_q.step
             self._aq_started = (step, self._aq.code_bits)
-            for bucket in self._aq_buckets:   # this step's coding (wire="auto": per step)
-                bucket.coding = self._aq_wire_setting.coding(step, bucket.index)
+            self._aq_wire_for(step)
+
+    def _aq_wire_for(self, step: int) -> None:
+        """This step's coding and exchange mode of every bucket (``wire="auto"``: the trials'
+        candidate, then the decision's; packed.wire_setting) — the same on every rank, so the
+        layout digest and the handshake stand."""
+        setting = self._aq_wire_setting
+        for bucket, planned in zip(self._aq_buckets, self._aq_planned):
+            bucket.coding = setting.coding(step, bucket.index)
+            mode = setting.mode(step, bucket.index, planned.mode)
+            if mode != bucket.plan.mode:
+                bucket.plan = dataclasses.replace(bucket.plan, mode=mode)
+                self._aq_traffic.clear()
+        self._aq_plans = [bucket.plan for bucket in self._aq_buckets]
 
     def _aq_submit_agreement(self) -> None:
         """This step's agreement on what trains (one small allreduce of
@@ -667,8 +680,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
             return
         refitted = q.end_step(self._aq_comm)   # counts the step; refits when due
         if started is not None and self._aq_wire is not None and self._aq_wire_setting.end_step(
-                started[0], self._aq_comm, self._aq_plans, bits=started[1], compression=self._aq,
-                exchange=self._aq_settings.exchange) is not None:
+                started[0], self._aq_comm, self._aq_planned, sent=self._aq_wire.sent) is not None:
             self._aq_replan()    # the decided wire from the next step, on every rank
         seconds = self._aq_wire.take_seconds() if self._aq_wire is not None else {}
         sent = self._aq_wire.take_sent() if self._aq_wire is not None else None

@@ -46,21 +46,15 @@ exact zeros in the result and in the re-encoded chunk (docs/protocol.md §15).
 :attr:`Wire.tap`, when set, sees every payload the wire encodes: ``tap(bucket, part, values,
 payload)`` (part k < P: chunk k or the allgather payload; part P: a re-encoded chunk).
 
-**Measurement** (``wire="auto"``, docs/protocol.md §5.5). :attr:`Wire.auto`, when set to a
-:class:`~horovod_aq.packed.autowire.AutoWire`, receives on its measurement steps (the bucket's
-``step``): every payload collective — kind, the bytes handed in (an allgather: the largest
-row received, as a ring round waits for it; an alltoall: this rank's P chunks), seconds from
-issue to the first time the wire saw it complete (it looks at every timed collective in flight
-whenever it submits, polls or waits, and in a ``torch.distributed`` callback) — every encode
-(coordinates encoded) and decode (rows × coordinates), and the size of every entropy-coded
-first-phase payload. On CUDA the wire synchronizes the device around a timed codec call on
-those steps only, so that the seconds are the kernels' and not their launches'.
+**Timing.** :attr:`Wire.seconds` adds up the seconds spent encoding, decoding and waiting, and
+:attr:`Wire.sent` the bytes this rank sent (telemetry; ``wire="auto"`` compares whole steps
+and their bytes, docs/protocol.md §5.5, so the wire times nothing else and never synchronizes a
+device to time a kernel).
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -182,7 +176,7 @@ class Bucket:
         # what it is (fixed when planned)
         "plan", "names", "numels", "offsets", "masked", "coding",
         # its exchange in the current step
-        "stage", "pending", "table", "result", "skipped", "gone", "step", "clock",
+        "stage", "pending", "table", "result", "skipped", "gone", "step",
     )
 
     def __init__(self, plan: BucketPlan, names: Sequence[str], numels: Sequence[int], *,
@@ -209,9 +203,6 @@ class Bucket:
         self.gone: list[int] = []
         #: The compressor step of the exchange (set by ``Wire.submit``).
         self.step: int | None = None
-        #: The timed collective in flight, [kind, bytes, issued, completed] (measurement steps
-        #: of ``wire="auto"`` only, ``Wire.auto``).
-        self.clock: list[Any] | None = None
 
     #: The plan's index (the stream key's bucket), name, size and exchange mode.
     index = property(lambda self: self.plan.index)
@@ -254,7 +245,7 @@ class Wire:
         # where
         "comm", "ranks", "rank", "stream_rank", "deadline",
         # what it tells
-        "tap", "seconds", "sent", "auto", "_timed", "_lock",
+        "tap", "seconds", "sent",
     )
 
     def __init__(self, compression: Any, comm: Collectives, *, stream_rank: int,
@@ -272,56 +263,8 @@ class Wire:
         self.seconds = dict.fromkeys(TIMED, 0.0)
         #: Bytes this rank encoded and sent since :meth:`take_sent` (:data:`SENT`).
         self.sent = dict.fromkeys(SENT, 0)
-        #: The ``AutoWire`` that records this wire's measurements (module docstring; None:
-        #: nothing is recorded).
-        self.auto: Any = None
-        #: Buckets whose timed collective is in flight (``Bucket.clock``).
-        self._timed: list[Bucket] = []
-        self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------ measurement
-    def measuring(self, bucket: Bucket) -> bool:
-        """Whether the bucket's exchange of this step is measured (``Wire.auto``)."""
-        return (self.auto is not None and bucket.step is not None
-                and self.auto.measuring(bucket.step))
-
-    def _sync(self, device: torch.device) -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def _issued(self, bucket: Bucket, kind: str, nbytes: int) -> None:
-        """Start the clock of the collective the bucket is about to issue."""
-        if self.measuring(bucket):
-            with self._lock:
-                bucket.clock = [kind, nbytes, time.perf_counter(), None]
-                self._timed.append(bucket)
-
-    def _look(self) -> None:
-        """Stamp the completion of every timed collective in flight that has completed."""
-        if not self._timed:
-            return
-        with self._lock:
-            self._timed = [b for b in self._timed if b.clock is not None]   # reset buckets
-            for b in self._timed:
-                pending = b.pending
-                if b.clock[3] is None and pending is not None and pending.done():
-                    b.clock[3] = time.perf_counter()
-
-    def _completed(self, bucket: Bucket, nbytes: int | None = None) -> None:
-        """The bucket's timed collective completed (now, unless seen earlier): record it."""
-        if bucket.clock is None:
-            return
-        now = time.perf_counter()
-        with self._lock:
-            clock, bucket.clock = bucket.clock, None
-            if clock is None:
-                return
-            if bucket in self._timed:
-                self._timed.remove(bucket)
-        kind, sent, issued, done = clock
-        self.auto.record_collective(bucket.step, kind, sent if nbytes is None else nbytes,
-                                    self.ranks, (done or now) - issued)
-
+    # ------------------------------------------------------------------ what it tells
     def take_seconds(self) -> dict[str, float]:
         """The seconds of :attr:`seconds` since the last call, then zero."""
         out, self.seconds = self.seconds, dict.fromkeys(TIMED, 0.0)
@@ -345,7 +288,6 @@ class Wire:
         ``present``: which parameters had a gradient on this rank (masked buckets)."""
         q, P = self.q, self.ranks
         bucket.table, bucket.step = q.table, q.step
-        self._look()
         fused = compensated.fusable(self, raw)   # error feedback fused into the CPU encoder
         steps = SendSteps(compensate=lambda g: g if self.memory is None else
                           self.memory.compensate(bucket.name, g),
@@ -369,7 +311,6 @@ class Wire:
             assert len(payloads) == P
             bucket.stage = "a2a"
             name = names.alltoall_name(bucket.name)
-            self._issued(bucket, "alltoall", sum(p.numel() for p in payloads))
             bucket.pending = (self.comm.alltoall(payloads, name, variable=True)
                               if bucket.variable else self.comm.alltoall(payloads, name))
 
@@ -377,7 +318,6 @@ class Wire:
         # the stage is set first: under torch.distributed the callback may run at once
         bucket.stage = stage
         name = names.allgather_name(bucket.name)
-        self._issued(bucket, "allgather", payload.numel())
         then = lambda got: self._gathered(bucket, got)  # noqa: E731
         if not bucket.variable:
             bucket.pending = self.comm.allgather(payload, name, then)
@@ -420,33 +360,22 @@ class Wire:
 
     def _encode(self, bucket: Bucket, x: torch.Tensor, part: int) -> torch.Tensor:
         q, encode = self.q, entropy.encode_entropy if bucket.variable else kernels.encode
-        payload = self.timed_encode(bucket, part, x.numel(), x.device, lambda key: encode(
+        payload = self.timed_encode(bucket, part, lambda key: encode(
             x, bucket.table, bucket_size=q.bucket_size, norm=q.norm, key=key,
             checksum=q.checksum))
         if self.tap is not None:
             self.tap(bucket, part, x, payload)
         return payload
 
-    def timed_encode(self, bucket: Bucket, part: int, numel: int, device: torch.device,
+    def timed_encode(self, bucket: Bucket, part: int,
                      run: Callable[[StreamKey], torch.Tensor | None]) -> torch.Tensor | None:
-        """``run(key)``: the payload of ``part`` (``numel`` coordinates; None: not encodable),
-        with the format's stream of (seed, rank, step, bucket, part) (docs/format.md §6: a
-        resumed run draws exactly what an uninterrupted one would); timed into ``seconds``
-        and, on measurement steps, ``auto``."""
-        q, measuring = self.q, self.measuring(bucket)
-        if measuring:
-            self._sync(device)
+        """``run(key)``: the payload of ``part`` (None: not encodable), with the format's stream
+        of (seed, rank, step, bucket, part) (docs/format.md §6: a resumed run draws exactly what
+        an uninterrupted one would); timed into ``seconds``."""
+        q = self.q
         started = time.perf_counter()
         payload = run(StreamKey(q.seed, self.stream_rank, q.step, bucket.index, part))
-        if measuring:
-            self._sync(device)
-        seconds = time.perf_counter() - started
-        self.seconds["encode"] += seconds
-        if measuring and payload is not None:
-            self.auto.record_codec(bucket.step, bucket.coding, "encode", numel, seconds)
-            if bucket.variable and part < reencode_part(self.ranks):   # first-phase sizes
-                self.auto.record_payload(bucket.step, bucket.index, numel, payload.numel(),
-                                         bucket.table.bits)
+        self.seconds["encode"] += time.perf_counter() - started
         return payload
 
     def _markers(self, bucket: Bucket, first_bad: int, device: torch.device) -> list[torch.Tensor]:
@@ -494,7 +423,6 @@ class Wire:
     # ------------------------------------------------------------------ 2. two-phase stage 2
     def ready(self, bucket: Bucket) -> bool:
         """Whether the bucket's collective in flight has completed (never blocks)."""
-        self._look()
         return bucket.pending is not None and bucket.pending.done()
 
     def advance(self, bucket: Bucket) -> None:
@@ -506,21 +434,14 @@ class Wire:
         q, P = self.q, self.ranks
         collective = names.alltoall_name(bucket.name)
         received = self._wait(bucket, collective)
-        self._completed(bucket)
         rows = self._rows(bucket, received)
         if self._outcome(bucket, rows, collective) == SKIP:
             return
         rows = self._unmask(bucket, rows)
         m = chunk_numel(bucket.numel, P, q.bucket_size)
-        measuring = self.measuring(bucket)
         started = time.perf_counter()
         chunk = self._decode_average(bucket, rows, m)
-        if measuring:
-            self._sync(chunk.device)
-        seconds = time.perf_counter() - started
-        self.seconds["decode"] += seconds
-        if measuring:
-            self.auto.record_codec(bucket.step, bucket.coding, "decode", P * m, seconds)
+        self.seconds["decode"] += time.perf_counter() - started
         for lo, hi in chunk_zero_spans(bucket.numel, m, self.rank, bucket.spans(bucket.gone)):
             chunk[lo:hi] = 0.0
         payload = self._encode(bucket, chunk, reencode_part(P))
@@ -531,16 +452,13 @@ class Wire:
     def _gathered(self, bucket: Bucket, received: Received) -> None:
         """The allgather's rows arrived: decide and decode (stage 3)."""
         q, collective = self.q, names.allgather_name(bucket.name)
-        self._completed(bucket, max(received.sizes))   # a ring round waits for the largest row
         rows = self._rows(bucket, received)
-        measuring = self.measuring(bucket)
         started = time.perf_counter()
         if bucket.stage == "ag":
             if self._outcome(bucket, rows, collective) == SKIP:
                 return
             rows = self._unmask(bucket, rows)
             result = self._decode_average(bucket, rows, bucket.numel)
-            coordinates = self.ranks * bucket.numel
         else:
             if self.comm.zero_fills_joined:
                 check_joined(_heads(rows), collective)
@@ -548,15 +466,9 @@ class Wire:
             decode = entropy.decode if bucket.variable else kernels.decode
             result = torch.cat([decode(row, bucket.table, numel=m, bucket_size=q.bucket_size,
                                        norm=q.norm) for row in rows])[:bucket.numel]
-            coordinates = self.ranks * m
         for offset, numel in bucket.spans(bucket.gone):   # exact zeros where no rank had one
             result[offset:offset + numel] = 0.0
-        if measuring:
-            self._sync(result.device)
-        seconds = time.perf_counter() - started
-        self.seconds["decode"] += seconds
-        if measuring:
-            self.auto.record_codec(bucket.step, bucket.coding, "decode", coordinates, seconds)
+        self.seconds["decode"] += time.perf_counter() - started
         bucket.result, bucket.stage = result, "done"
 
     def _outcome(self, bucket: Bucket, rows: Rows, collective: str) -> str:
@@ -574,12 +486,7 @@ class Wire:
     def _wait(self, bucket: Bucket, collective: str) -> Any:
         pending, bucket.pending = bucket.pending, None
         started = time.perf_counter()
-
-        def done() -> bool:
-            self._look()   # stamps this collective, and any other timed one, when complete
-            return pending.done()
-        wait_until(done if self._timed else pending.done, self.deadline, collective,
-                   bucket.name, EXCHANGING)
+        wait_until(pending.done, self.deadline, collective, bucket.name, EXCHANGING)
         self.seconds["wait"] += time.perf_counter() - started
         return pending.wait()
 
