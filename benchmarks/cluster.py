@@ -21,21 +21,25 @@ still cannot reach each other.
 
 **Workload.** Every rank trains an MLP (default 784→4096→1536→10, ≈9.5M parameters, 38 MB of
 fp32 gradient) on synthetic data, batch 32 per rank, plain SGD with momentum, one thread per
-rank (``torch.set_num_threads(1)``, OMP_NUM_THREADS=1). Modes, each with its own copy of the
-model (same initial weights):
+rank (``torch.set_num_threads(1)``, OMP_NUM_THREADS=1). ``--ranks-per-host L`` puts L ranks in
+every host's namespace (``-H addr:L``): they talk to each other inside the host, as GPUs of one
+node do, and share its one shaped link. Modes, each with its own copy of the model (same
+initial weights):
 
-* ``nocomm`` — local steps only: the compute floor (4 ranks share the 2 cores);
-* ``hvd_fp32`` — ``hvd.DistributedOptimizer(..., compression=hvd.Compression.none)``;
-* ``hvd_fp16`` — ``hvd.DistributedOptimizer(..., compression=hvd.Compression.fp16)``;
-* ``alq3_allgather`` / ``alq3_two_phase`` — ``horovod_aq.torch.DistributedOptimizer`` with
-  ``horovod_aq.ALQ(bits=3)`` (bucket 8192, default refit schedule) and ``exchange=``
-  "allgather" / "two_phase";
-* ``alq3_allgather_entropy`` / ``alq3_two_phase_entropy`` — the same with the entropy-coded
-  wire (``wire="entropy"``, docs/format.md §12, docs/protocol.md §5.4);
-* ``alq3_auto`` — the packed optimizer's defaults (``wire="auto"``, ``exchange="auto"``): it
-  measures its own collectives and coders in its first steps and rank 0 picks each bucket's
-  coding and exchange (docs/protocol.md §5.5). With this mode the untimed rounds are extended
-  until its decision is in force.
+* ``nocomm`` — local steps only: the compute floor (all ranks share the 2 cores);
+* ``hvd_fp32`` / ``hvd_fp16`` — ``hvd.DistributedOptimizer(..., compression=hvd.Compression.
+  none | .fp16)``;
+* ``defaults`` — ``horovod_aq.torch.DistributedOptimizer(opt, named_parameters=...,
+  compression=horovod_aq.ALQ(bits=3))`` and nothing else: what a user gets (error feedback at
+  3 bits, buckets of 256, ``wire="auto"``, ``exchange="auto"``). Its first W + C·k steps are
+  ``wire="auto"``'s trials (docs/protocol.md §5.5); the launch runs them before the timed
+  rounds, so its timed steps use the decided wire;
+* ``allgather``, ``two_phase``, ``allgather_entropy``, ``two_phase_entropy`` — the same with
+  one wire forced (``exchange=`` and ``wire="fixed" | "entropy"``): the wires ``auto`` chooses
+  from, so that the launch shows whether it chose well;
+* ``plain_two_phase`` — ``two_phase`` with ``error_feedback=False`` (what error feedback costs);
+* ``b8192_two_phase`` — the tuned row of earlier reports: ``ALQ(bits=3, bucket_size=8192)``,
+  ``error_feedback=False``, ``exchange="two_phase"``, ``wire="fixed"``.
 
 **Measurement.** Modes are interleaved in rounds (round r runs ``--steps`` steps of every mode in
 turn), so slow drifts of the machine's load hit all modes alike; round 0 is warm-up (handshakes,
@@ -75,14 +79,33 @@ MODES = {
     "nocomm": "no communication (local step; compute floor)",
     "hvd_fp32": "Horovod allreduce fp32 (Compression.none)",
     "hvd_fp16": "Horovod allreduce fp16 (Compression.fp16)",
-    "alq3_allgather": "horovod_aq ALQ 3-bit, packed, allgather",
-    "alq3_two_phase": "horovod_aq ALQ 3-bit, packed, two-phase",
-    "alq3_allgather_entropy": "horovod_aq ALQ 3-bit, packed, allgather, entropy-coded",
-    "alq3_two_phase_entropy": "horovod_aq ALQ 3-bit, packed, two-phase, entropy-coded",
-    "alq3_auto": "horovod_aq ALQ 3-bit, packed, wire and exchange chosen (wire=\"auto\")",
+    "defaults": "horovod_aq ALQ(bits=3), every default",
+    "allgather": "defaults + exchange=\"allgather\", wire=\"fixed\"",
+    "two_phase": "defaults + exchange=\"two_phase\", wire=\"fixed\"",
+    "allgather_entropy": "defaults + exchange=\"allgather\", wire=\"entropy\"",
+    "two_phase_entropy": "defaults + exchange=\"two_phase\", wire=\"entropy\"",
+    "plain_two_phase": "two_phase + error_feedback=False",
+    "b8192_two_phase": "ALQ(bits=3, bucket_size=8192), error_feedback=False, two_phase, fixed",
 }
-#: Issue 25: "auto must not pick a loss": its median step within this factor of the fastest
-#: fixed-width packed mode's in the same launch (the interleaved rounds' noise).
+#: The packed modes' arguments beyond ``compression=ALQ(bits=...)`` (``bucket_size`` goes to
+#: the compressor).
+PACKED = {
+    "defaults": {},
+    "allgather": {"exchange": "allgather", "wire": "fixed"},
+    "two_phase": {"exchange": "two_phase", "wire": "fixed"},
+    "allgather_entropy": {"exchange": "allgather", "wire": "entropy"},
+    "two_phase_entropy": {"exchange": "two_phase", "wire": "entropy"},
+    "plain_two_phase": {"exchange": "two_phase", "wire": "fixed", "error_feedback": False},
+    "b8192_two_phase": {"exchange": "two_phase", "wire": "fixed", "error_feedback": False,
+                        "bucket_size": 8192},
+}
+#: The modes a run measures unless --modes says otherwise.
+DEFAULT_MODES = ("nocomm", "hvd_fp32", "hvd_fp16", "defaults", "allgather", "two_phase",
+                 "allgather_entropy", "two_phase_entropy")
+#: The fixed wires ``defaults`` (wire="auto") chooses from.
+FIXED_WIRES = ("allgather", "two_phase", "allgather_entropy", "two_phase_entropy")
+#: Issue 36: "auto must not pick a loss": the defaults' median step within this factor of the
+#: fastest forced wire's in the same launch.
 AUTO_TOLERANCE = 1.05
 #: Fewer timed steps per mode than this cannot resolve AUTO_TOLERANCE on a shared 2-core host
 #: (--quick times 2): the auto line is then reported (ℹ️) but not judged.
@@ -93,9 +116,13 @@ RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREAD
 #: horovodrun timeouts (seconds): rank start-up, and one Gloo operation (slow links!).
 START_TIMEOUT_S = 120
 GLOO_TIMEOUT_S = 600
-#: Targets from issue 11 (checked on 4 hosts; bytes on every configuration).
+#: Bytes target of issue 11 (the packed modes' best on every configuration).
 TARGET_BYTES_FRACTION = 1 / 8
-TARGET_SPEEDUP_100M = {"hvd_fp32": 4.0, "hvd_fp16": 2.0}
+#: Issue 36's targets for the defaults row: (hosts, ranks per host, Mbit/s) → {baseline: least
+#: speedup}.
+TARGET_SPEEDUP = {(4, 1, 100.0): {"hvd_fp32": 8.0, "hvd_fp16": 4.0},
+                  (4, 1, 1000.0): {"hvd_fp32": 3.5},
+                  (2, 2, 1000.0): {"hvd_fp32": 3.0}}
 
 
 # ============================================================================ worker (one rank)
@@ -170,17 +197,26 @@ def worker(cfg: dict) -> None:
         if mode == "hvd_fp16":
             return model, hvd.DistributedOptimizer(base, named_parameters=named,
                                                    compression=hvd.Compression.fp16)
-        comp = horovod_aq.ALQ(bits=cfg["bits"], bucket_size=cfg["bucket_size"], name=mode)
-        if mode == "alq3_auto":                 # the optimizer's own defaults
-            return model, aqt.DistributedOptimizer(base, named_parameters=named,
-                                                   compression=comp)
-        exchange = "two_phase" if "two_phase" in mode else "allgather"
-        wire = "entropy" if mode.endswith("_entropy") else "fixed"
+        kwargs = dict(PACKED[mode])
+        comp = horovod_aq.ALQ(bits=cfg["bits"], name=mode,
+                              **({"bucket_size": kwargs.pop("bucket_size")}
+                                 if "bucket_size" in kwargs else {}))
         return model, aqt.DistributedOptimizer(base, named_parameters=named, compression=comp,
-                                               exchange=exchange, wire=wire)
+                                               **kwargs)
 
     modes = cfg["modes"]
     built = {m: build(m) for m in modes}
+    decided_after = {}
+    if "defaults" in built:   # wire="auto"'s warm-up and trials, before the timed rounds
+        model, opt = built["defaults"]
+        k = 0
+        while opt.autowire.decision is None and k < 200:
+            x, y = batches[k % len(batches)]
+            k += 1
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        decided_after = {"defaults": k}
     n = num_parameters(built[modes[0]][0])
     times: dict[str, list[list[float]]] = {m: [] for m in modes}
     cpu: dict[str, list[float]] = {m: [] for m in modes}
@@ -215,7 +251,7 @@ def worker(cfg: dict) -> None:
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
                 block.append(time.perf_counter() - t0)
-                if mode.startswith("alq"):
+                if mode in PACKED:
                     extra = opt.telemetry.last.extra
                     for i, name in enumerate(("encode_s", "decode_s", "wait_s")):
                         split[i] += extra.get(name, 0.0)
@@ -231,7 +267,7 @@ def worker(cfg: dict) -> None:
             rx[mode].append(r1x - r0x)
     for mode in modes:
         opt = built[mode][1]
-        if mode.startswith("alq"):
+        if mode in PACKED:
             last = opt.telemetry.last
             telemetry[mode] = {"bytes_sent": last.bytes_sent, "payload_bytes": last.payload_bytes,
                                "bits_per_coordinate": last.bits_per_coordinate,
@@ -239,15 +275,16 @@ def worker(cfg: dict) -> None:
                                "exchanges": dict(last.exchanges),
                                "table_version": last.table_version,
                                "buckets": len(opt.buckets)}
-            if mode == "alq3_auto":
+            if mode == "defaults":
                 telemetry[mode]["auto"] = _auto_choices(opt.autowire.decision)
+                telemetry[mode]["auto"]["steps"] = decided_after["defaults"]
         elif mode == "hvd_fp32":
             telemetry[mode] = {"bytes_sent": bytes_sent("allreduce_fp32", n, 0, 1, size)}
         elif mode == "hvd_fp16":
             telemetry[mode] = {"bytes_sent": bytes_sent("allreduce_fp16", n, 0, 1, size)}
         else:
             telemetry[mode] = {"bytes_sent": 0}
-    mine = {"rank": rank, "hostname": socket.gethostname(),
+    mine = {"rank": rank, "local_rank": hvd.local_rank(), "hostname": socket.gethostname(),
             "host": os.environ.get("HOROVOD_HOSTNAME", ""), "times": times, "cpu": cpu,
             "parts": parts, "tx": tx, "rx": rx,
             "telemetry": telemetry, "params": n}
@@ -307,7 +344,9 @@ def launch(cluster, cfg: dict, timeout: float, log_dir: Path) -> dict:
     job = Path(tempfile.mkdtemp(prefix="aq_cluster_", dir=log_dir))
     cfg = dict(cfg, iface=cluster.iface, out=str(job / "result.json"))
     (job / "config.json").write_text(json.dumps(cfg))
-    cmd = [str(horovodrun), "-np", str(hosts), "-H", cluster.host_list(), "--gloo",
+    per_host = cfg.get("ranks_per_host", 1)
+    cmd = [str(horovodrun), "-np", str(hosts * per_host), "-H", cluster.host_list(per_host),
+           "--gloo",
            "--network-interface", cluster.iface, "--start-timeout", str(START_TIMEOUT_S),
            "--gloo-timeout-seconds", str(GLOO_TIMEOUT_S),
            sys.executable, str(Path(__file__).resolve()), "--worker", str(job / "config.json")]
@@ -389,7 +428,7 @@ def format_config(res: dict, cfg: dict, hosts: int, rate: float) -> tuple[str, l
         frac = (f"{m['tx_mean'] / fp32['tx_mean']:.3f}" if fp32 and fp32["tx_mean"] else "–")
         model = m["model_bytes"]
         model_frac = (f"{model / fp32['model_bytes']:.3f}" if fp32 and model else "–")
-        source = ("telemetry" if mode.startswith("alq") else
+        source = ("telemetry" if mode in PACKED else
                   "ring formula" if mode.startswith("hvd") else "–")
         rows.append([MODES[mode], f"{m['median']:.3f}", f"{m['q1']:.3f}–{m['q3']:.3f}",
                      f"{m['samples_per_s']:.0f}", sp32, sp16, f"{m['cpu_mean']:.3f}",
@@ -397,9 +436,9 @@ def format_config(res: dict, cfg: dict, hosts: int, rate: float) -> tuple[str, l
                      f"{model / 1e6:.2f} ({source})" if model else "0", model_frac])
     table = report.markdown_table(
         ["mode", "median step (s)", "IQR (s)", "samples/s", "speedup vs fp32",
-         "speedup vs fp16", "CPU s/step/rank", "measured MB sent/rank/step", "measured ÷ fp32",
-         "expected MB/rank/step", "expected ÷ fp32"], rows)
-    auto = s.get("alq3_auto", {}).get("telemetry", {}).get("auto")
+         "speedup vs fp16", "CPU s/step/rank", "measured MB out of each host/step",
+         "measured ÷ fp32", "expected MB/rank/step", "expected ÷ fp32"], rows)
+    auto = s.get("defaults", {}).get("telemetry", {}).get("auto")
     if auto is not None:
         table += "\n\n" + describe_auto(auto)
     return table + "\n\n" + format_breakdown(s, modes), rows
@@ -422,7 +461,7 @@ def format_breakdown(summary: dict, modes: list[str]) -> str:
     collectives (the optimizer's own timers) and the rest (forward, backward, update)."""
     rows = []
     for mode in modes:
-        if not mode.startswith("alq"):
+        if mode not in PACKED:
             continue
         for rank, b in enumerate(summary[mode]["breakdown"]):
             rows.append([MODES[mode], str(rank), f"{b['step']:.3f}", f"{b['encode']:.3f}",
@@ -437,64 +476,42 @@ def format_breakdown(summary: dict, modes: list[str]) -> str:
 
 
 def check_targets(results: list[dict], cfg: dict) -> list[str]:
-    """Issue 11's targets, one line each with ✅/❌ (only for configurations that were run).
+    """Issue 36's targets, one line each with ✅/❌ (only for configurations that were run).
 
-    Bytes: the packed exchange's best mode must send ≤ 1/8 of fp32 allreduce's bytes, measured
-    and by telemetry. Allgather sends (P−1)·s ≈ P·b/64 of fp32 (0.19 at P = 4, b = 3) by
-    construction — above 1/8 from P = 3 on, which is why the two-phase exchange exists; its
-    lines are marked ℹ️ there. Speed: at ≤ 100 Mbit/s on 4 hosts the fastest ALQ mode must be
-    ≥ 4× faster than fp32 and ≥ 2× faster than fp16; at higher rates faster than both.
-    Auto (issue 25): ``alq3_auto``'s median step ≤ AUTO_TOLERANCE × the fastest fixed-width
-    packed mode's, judged from AUTO_MIN_TIMED_STEPS timed steps per mode on.
+    Speed: the ``defaults`` row against Horovod's fp32 and fp16 (``TARGET_SPEEDUP``). Auto:
+    ``defaults``' median step ≤ AUTO_TOLERANCE × the fastest forced wire's (``FIXED_WIRES``),
+    judged from AUTO_MIN_TIMED_STEPS timed steps per mode on. Bytes (issue 11, ℹ️): the packed
+    modes' best against fp32's ring allreduce.
     """
     lines = []
+    timed = (cfg["rounds"] - cfg["warmup_rounds"]) * cfg["steps"]
     for res in results:
         s, hosts, rate = res["summary"], res["hosts"], res["rate"]
-        alq = [m for m in s if m.startswith("alq")]
-        if "hvd_fp32" not in s or not alq:
+        per_host = res.get("ranks_per_host", 1)
+        shape = f"{hosts} hosts × {per_host} rank{'s' if per_host > 1 else ''} @ {rate:g} Mbit/s"
+        if "defaults" not in s:
             continue
-        fracs = {m: (s[m]["tx_mean"] / s["hvd_fp32"]["tx_mean"],
-                     s[m]["model_bytes"] / s["hvd_fp32"]["model_bytes"]) for m in alq}
-        for mode, (frac, tel) in fracs.items():
-            ok = max(frac, tel) <= TARGET_BYTES_FRACTION
-            by_design = mode.endswith("allgather") and hosts * cfg["bits"] / 64 > \
-                TARGET_BYTES_FRACTION
-            mark = "✅" if ok else ("ℹ️" if by_design else "❌")
-            note = (f"; allgather sends (P−1)·s ≈ P·b/64 = {hosts * cfg['bits'] / 64:.3f} of "
-                    "fp32 by construction" if by_design else "")
-            lines.append(f"{mark} {hosts} hosts @ {rate:g} Mbit/s, {mode}: sends {frac:.3f} of "
-                         f"fp32's bytes measured, {tel:.3f} by telemetry (target ≤ "
-                         f"{TARGET_BYTES_FRACTION:.3f}){note}")
-        if not any(max(v) <= TARGET_BYTES_FRACTION for v in fracs.values()):
-            lines.append(f"❌ {hosts} hosts @ {rate:g} Mbit/s: no packed mode sends ≤ 1/8 of "
-                         "fp32's bytes")
-        fixed = [m for m in alq if m in ("alq3_allgather", "alq3_two_phase")]
-        if "alq3_auto" in s and fixed:
+        for ref, target in TARGET_SPEEDUP.get((hosts, per_host, rate), {}).items():
+            if ref in s:
+                sp = s[ref]["median"] / s["defaults"]["median"]
+                lines.append(f"{'✅' if sp >= target else '❌'} {shape}: the defaults are "
+                             f"{sp:.2f}× as fast as {ref} (target ≥ {target:g}×)")
+        fixed = [m for m in FIXED_WIRES if m in s]
+        if fixed:
             ref = min(fixed, key=lambda m: s[m]["median"])
-            ratio = s["alq3_auto"]["median"] / s[ref]["median"]
-            timed = (cfg["rounds"] - cfg["warmup_rounds"]) * cfg["steps"]
+            ratio = s["defaults"]["median"] / s[ref]["median"]
             judged = timed >= AUTO_MIN_TIMED_STEPS
             mark = ("✅" if ratio <= AUTO_TOLERANCE else "❌") if judged else "ℹ️"
             note = "" if judged else f"; not judged: {timed} timed steps per mode"
-            lines.append(f"{mark} {hosts} hosts @ {rate:g} "
-                         f"Mbit/s: alq3_auto takes {ratio:.2f}× the step of the fastest "
-                         f"fixed-width mode ({ref}) (issue 25: ≤ {AUTO_TOLERANCE:g}×, auto must "
-                         f"not pick a loss{note})")
-        best = min(alq, key=lambda m: s[m]["median"])
-        if hosts != 4:
-            continue
-        if rate <= 100:
-            for ref, target in TARGET_SPEEDUP_100M.items():
-                if ref in s:
-                    sp = s[ref]["median"] / s[best]["median"]
-                    lines.append(f"{'✅' if sp >= target else '❌'} 4 hosts @ {rate:g} Mbit/s: "
-                                 f"{best} is {sp:.2f}× as fast as {ref} (target ≥ {target:g}×)")
-        else:
-            for ref in ("hvd_fp32", "hvd_fp16"):
-                if ref in s:
-                    sp = s[ref]["median"] / s[best]["median"]
-                    lines.append(f"{'✅' if sp > 1 else '❌'} 4 hosts @ {rate:g} Mbit/s: {best} "
-                                 f"is {sp:.2f}× as fast as {ref} (target > 1×)")
+            lines.append(f"{mark} {shape}: the defaults (wire=\"auto\") take {ratio:.2f}× "
+                         f"the step of the fastest forced wire ({ref}) (≤ {AUTO_TOLERANCE:g}×: "
+                         f"auto must not pick a loss{note})")
+        if "hvd_fp32" in s and s["hvd_fp32"]["tx_mean"]:
+            packed = [m for m in s if m in PACKED]
+            best = min(packed, key=lambda m: s[m]["tx_mean"])
+            frac = s[best]["tx_mean"] / s["hvd_fp32"]["tx_mean"]
+            lines.append(f"ℹ️ {shape}: {best} sends {frac:.3f} of fp32's bytes out of each host "
+                         f"(issue 11: ≤ {TARGET_BYTES_FRACTION:.3f})")
     return lines
 
 
@@ -537,9 +554,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rounds of interleaved modes, the first --warmup-rounds untimed")
     p.add_argument("--warmup-rounds", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="steps of each mode per round")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {list(MODES)}")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma list from {list(MODES)} (default {','.join(DEFAULT_MODES)})")
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="ranks in every host's namespace (they share its shaped link)")
     p.add_argument("--bits", type=int, default=3)
-    p.add_argument("--bucket-size", type=int, default=8192)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--burst-ms", type=float, default=None,
@@ -574,16 +593,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown modes {sorted(unknown)}; choose from {list(MODES)}")
     if args.rounds <= args.warmup_rounds:
         p.error("--rounds must exceed --warmup-rounds")
-    if "alq3_auto" in args.modes:
-        from horovod_aq.packed.autowire import MEASURE_STEPS, WARMUP_STEPS
-
-        # untimed until auto's decision is in force (its first W + K steps measure)
-        needed = -(-(WARMUP_STEPS + MEASURE_STEPS) // args.steps)
-        if args.warmup_rounds < needed:
-            extra = needed - args.warmup_rounds
-            print(f"alq3_auto decides after {WARMUP_STEPS + MEASURE_STEPS} steps: {extra} more "
-                  f"untimed round(s) ({needed} in all)", file=sys.stderr)
-            args.warmup_rounds, args.rounds = needed, args.rounds + extra
     if args.timeout is None:
         args.timeout = 300 if args.quick else 1800
     return args
@@ -623,7 +632,8 @@ def main(argv=None) -> int:
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(CLUSTER_MLP)
     cfg = {"sizes": sizes, "batch": args.batch, "rounds": args.rounds,
            "warmup_rounds": args.warmup_rounds, "steps": args.steps, "modes": args.modes,
-           "bits": args.bits, "bucket_size": args.bucket_size, "lr": args.lr, "seed": args.seed,
+           "bits": args.bits, "lr": args.lr, "seed": args.seed,
+           "ranks_per_host": args.ranks_per_host,
            "profile": args.profile, "sleep_wait": args.sleep_wait}
     burst = {} if args.burst_ms is None else {"burst_ms": args.burst_ms}
     results, described = [], ""
@@ -642,6 +652,7 @@ def main(argv=None) -> int:
                     t0 = time.monotonic()
                     raw = launch(cluster, cfg, args.timeout, log_dir)
                     res = {"hosts": hosts, "rate": rate, "link_mbit": link,
+                           "ranks_per_host": args.ranks_per_host,
                            "load_before": load_before, "load_after": report.loadavg(),
                            "seconds": time.monotonic() - t0, "summary": summarize(raw, cfg),
                            "hostnames": sorted({r["hostname"] for r in raw["ranks"]}),
@@ -668,17 +679,20 @@ def write_report(args, cfg: dict, results: list[dict], described: str, seconds: 
     for res in results:
         table, _ = format_config(res, cfg, res["hosts"], res["rate"])
         parts.append(
-            f"### {res['hosts']} hosts @ {res['rate']:g} Mbit/s\n\n"
+            f"### {res['hosts']} hosts × {res['ranks_per_host']} rank(s) @ {res['rate']:g} "
+            f"Mbit/s\n\n"
             f"Link test (TCP, host 1 → host 2): {res['link_mbit']:.0f} Mbit/s; load average "
             f"before {res['load_before']}, after {res['load_after']}; ranks ran on "
             f"{', '.join(res['hostnames'])}; launch took {res['seconds']:.0f} s.\n\n{table}\n")
     targets = check_targets(results, cfg)
     timed = (cfg["rounds"] - cfg["warmup_rounds"]) * cfg["steps"]
+    packed_modes = "; ".join(f"{m}: {MODES[m]}" for m in cfg["modes"] if m in PACKED)
     notes = [
         f"Cluster: {described}",
         f"Workload: MLP {'→'.join(map(str, cfg['sizes']))} ({n:,} parameters, "
         f"{4 * n / 1e6:.1f} MB fp32 gradient), batch {cfg['batch']} per rank, synthetic data, SGD "
-        f"momentum 0.9, 1 thread per rank; ALQ {cfg['bits']}-bit, bucket {cfg['bucket_size']}",
+        f"momentum 0.9, 1 thread per rank; ALQ {cfg['bits']}-bit ({packed_modes}); "
+        f"{cfg.get('ranks_per_host', 1)} rank(s) per host",
         f"Timing: {cfg['rounds']} rounds × {cfg['steps']} steps per mode, interleaved; the first "
         f"{cfg['warmup_rounds']} round(s) untimed; median over {timed} timed steps of the "
         "per-step maximum over ranks; speedup = ratio of medians from the same launch",
@@ -697,7 +711,7 @@ def write_report(args, cfg: dict, results: list[dict], described: str, seconds: 
                      "synchronize (not stock Horovod)")
     body = "\n".join(parts)
     if targets:
-        body += "\n### Targets (issue 11)\n\n" + "\n".join(f"- {t}" for t in targets) + "\n"
+        body += "\n### Targets (issue 36)\n\n" + "\n".join(f"- {t}" for t in targets) + "\n"
     fig = report.figure_path(args.name, quick=args.quick)
     plot(results, cfg["modes"], fig)
     body += f"\n![step times]({fig.name})\n"

@@ -5,9 +5,10 @@
 
 **Cluster**: ``benchmarks/netns.py``'s ``EmulatedCluster`` (docs/protocol.md §12): N network
 namespaces on one bridge, each link shaped both ways with a ``tc`` token bucket; needs root.
-**Launch**: one ``torchrun --nnodes N --node-rank i --nproc-per-node 1`` per host, started inside
-the host's namespace (``ip netns exec``), static rendezvous at host 1's address over the bridge,
-Gloo bound to the namespace's interface (``GLOO_SOCKET_IFNAME``), one thread per rank.
+**Launch**: one ``torchrun --nnodes N --node-rank i --nproc-per-node L`` per host (L =
+``--ranks-per-host``, default 1), started inside the host's namespace (``ip netns exec``),
+static rendezvous at host 1's address over the bridge, Gloo bound to the namespace's interface
+(``GLOO_SOCKET_IFNAME``), one thread per rank.
 
 **Workload**: the MLP of ``benchmarks/cluster.py`` (784→4096→1536→10, ≈9.5M parameters) on
 synthetic data, batch 32 per rank, SGD with momentum; one DDP model per mode (same initial
@@ -20,10 +21,13 @@ weights, DDP's default 25 MB buckets):
   DDP bucket for the whole model: the hook issues collectives from future callbacks, which on
   Gloo run in network order, and with two buckets the ranks issued them in different orders
   (Gloo: "Received data size doesn't match expected size");
-* ``alq3`` — ``horovod_aq.torch.ddp`` with ``ALQ(bits=3)``, bucket 8192, ``exchange="auto"``
-  (allgather at 2 hosts, two-phase at 4);
-* ``alq3_entropy`` — the same on the entropy-coded wire (``wire="entropy"``, docs/protocol.md
-  §5.4).
+* ``defaults`` — ``horovod_aq.torch.ddp.register(model, horovod_aq.ALQ(bits=3))`` and nothing
+  else: what a user gets (error feedback at 3 bits, buckets of 256, ``wire="auto"``, whose
+  trials run before the timed rounds, docs/protocol.md §5.5);
+* ``allgather``, ``two_phase``, ``allgather_entropy``, ``two_phase_entropy`` — the same with one
+  wire forced (``exchange=`` and ``wire=``): the wires ``auto`` chooses from;
+* ``b8192_auto`` — the tuned row of earlier reports: ``ALQ(bits=3, bucket_size=8192)``,
+  ``error_feedback=False``, ``exchange="auto"``, ``wire="fixed"``.
 
 **Measurement** as ``benchmarks/cluster.py``: modes interleaved in rounds, round 0 untimed; a
 step is zero_grad + forward + backward + ``opt.step()``; its time is the maximum over the ranks
@@ -56,9 +60,28 @@ MODES = {
     "ddp_fp16": "DDP fp16_compress_hook",
     "powersgd_r2": "DDP PowerSGD hook, rank 2",
     "powersgd_r4": "DDP PowerSGD hook, rank 4",
-    "alq3": "horovod_aq ALQ 3-bit hook (auto exchange)",
-    "alq3_entropy": "horovod_aq ALQ 3-bit hook (auto exchange), entropy-coded",
+    "defaults": "horovod_aq hook, ALQ(bits=3), every default",
+    "allgather": "defaults + exchange=\"allgather\", wire=\"fixed\"",
+    "two_phase": "defaults + exchange=\"two_phase\", wire=\"fixed\"",
+    "allgather_entropy": "defaults + exchange=\"allgather\", wire=\"entropy\"",
+    "two_phase_entropy": "defaults + exchange=\"two_phase\", wire=\"entropy\"",
+    "b8192_auto": "ALQ(bits=3, bucket_size=8192), error_feedback=False, wire=\"fixed\"",
 }
+#: The hook modes' arguments beyond ``ALQ(bits=...)`` (``bucket_size`` goes to the compressor).
+HOOKED = {
+    "defaults": {},
+    "allgather": {"exchange": "allgather", "wire": "fixed"},
+    "two_phase": {"exchange": "two_phase", "wire": "fixed"},
+    "allgather_entropy": {"exchange": "allgather", "wire": "entropy"},
+    "two_phase_entropy": {"exchange": "two_phase", "wire": "entropy"},
+    "b8192_auto": {"wire": "fixed", "error_feedback": False, "bucket_size": 8192},
+}
+#: The modes a run measures unless --modes says otherwise.
+DEFAULT_MODES = ("ddp_fp32", "ddp_fp16", "powersgd_r2", "powersgd_r4", "defaults", "allgather",
+                 "two_phase", "allgather_entropy", "two_phase_entropy")
+#: Issue 36's targets for the defaults row: (hosts, ranks per host, Mbit/s) → least speedup
+#: over DDP's fp32 allreduce.
+TARGET_SPEEDUP = {(4, 1, 1000.0): 2.5, (4, 1, 100.0): 8.0}
 RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1"}
 MASTER_PORT = 29731
@@ -113,18 +136,29 @@ def worker(cfg: dict) -> None:
                 process_group=None, matrix_approximation_rank=int(mode[-1]),
                 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
             net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        elif mode.startswith("alq3"):
-            comp = horovod_aq.ALQ(bits=cfg["bits"], bucket_size=cfg["bucket_size"], name=mode)
-            state = aqddp.register(net, comp, exchange="auto",
-                                   wire="entropy" if mode.endswith("_entropy") else "fixed")
+        elif mode in HOOKED:
+            kwargs = dict(HOOKED[mode])
+            comp = horovod_aq.ALQ(bits=cfg["bits"], name=mode,
+                                  **({"bucket_size": kwargs.pop("bucket_size")}
+                                     if "bucket_size" in kwargs else {}))
+            state = aqddp.register(net, comp, **kwargs)
         return model, net, torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9), state
 
     modes = cfg["modes"]
     built = {m: build(m) for m in modes}
     n = num_parameters(built[modes[0]][0])
+    k = 0
+    if "defaults" in built:   # wire="auto"'s warm-up and trials, before the timed rounds
+        model, net, opt, state = built["defaults"]
+        while state.autowire.decision is None and k < 200:
+            x, y = batches[k % len(batches)]
+            k += 1
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+    decided_after = k
     times = {m: [] for m in modes}
     tx = {m: [] for m in modes}
-    k = 0
     for _ in range(cfg["rounds"]):
         for mode in modes:
             model, net, opt, _ = built[mode]
@@ -147,12 +181,16 @@ def worker(cfg: dict) -> None:
     expected = {}
     for mode in modes:
         state = built[mode][3]
-        if mode.startswith("alq3"):
+        if mode in HOOKED:
             last = state.telemetry.last
             expected[mode] = {"bytes_sent": last.bytes_sent, "exchanges": dict(last.exchanges),
                               "buckets": len(state.buckets),
                               "bits_per_coordinate": last.bits_per_coordinate,
                               "table_version": last.table_version}
+            decision = state.autowire.decision
+            if mode == "defaults" and decision is not None:
+                expected[mode]["auto"] = {"steps": decided_after, "wires": sorted(
+                    {f"{c.coding}/{c.mode}" for c in decision.choices})}
         elif mode == "ddp_fp32":
             expected[mode] = {"bytes_sent": bytes_sent("allreduce_fp32", n, 0, 1, size)}
         elif mode == "ddp_fp16":
@@ -183,7 +221,8 @@ def launch(cluster, cfg: dict, timeout: float, log_dir: Path) -> dict:
         for i, host in enumerate(hosts):
             cmd = cluster.exec_argv(host, [
                 str(torchrun), "--nnodes", str(len(hosts)), "--node-rank", str(i),
-                "--nproc-per-node", "1", "--master-addr", hosts[0].address,
+                "--nproc-per-node", str(cfg.get("ranks_per_host", 1)),
+                "--master-addr", hosts[0].address,
                 "--master-port", str(MASTER_PORT), str(Path(__file__).resolve()),
                 "--worker", str(job / "config.json")])
             log = open(job / f"host{i + 1}.log", "wb")
@@ -235,18 +274,49 @@ def format_config(summary: dict, modes: list[str]) -> str:
         m = summary[mode]
         exp = m["expected"]["bytes_sent"]
         note = ""
-        if mode.startswith("alq3"):
+        if mode in HOOKED:
             e = m["expected"]
             note = (f"{', '.join(f'{v} {k}' for k, v in e['exchanges'].items())}; "
                     f"{e['bits_per_coordinate']:.2f} bits/coord; table v{e['table_version']}")
+            if "auto" in e:
+                note += (f"; wire=\"auto\" chose {', '.join(e['auto']['wires'])} after "
+                         f"{e['auto']['steps']} steps")
         rows.append([MODES[mode], f"{m['median']:.3f}", f"{m['q1']:.3f}–{m['q3']:.3f}",
                      f"{fp32['median'] / m['median']:.2f}×" if fp32 else "–",
                      f"{m['tx_mean'] / 1e6:.2f}",
                      f"{m['tx_mean'] / fp32['tx_mean']:.3f}" if fp32 and fp32["tx_mean"] else "–",
                      f"{exp / 1e6:.2f}" if exp else "–", note])
     return report.markdown_table(
-        ["mode", "median step (s)", "IQR (s)", "speedup vs fp32", "measured MB sent/rank/step",
-         "measured ÷ fp32", "expected MB/rank/step", "notes"], rows)
+        ["mode", "median step (s)", "IQR (s)", "speedup vs fp32",
+         "measured MB out of each host/step", "measured ÷ fp32", "expected MB/rank/step",
+         "notes"], rows)
+
+
+def check_targets(results: list[dict]) -> list[str]:
+    """Issue 36's targets for the hook's defaults (``TARGET_SPEEDUP``), and auto against the
+    fastest forced wire (the cluster benchmark's ``AUTO_TOLERANCE``), one line each."""
+    from benchmarks.cluster import AUTO_TOLERANCE
+
+    lines = []
+    for res in results:
+        s, hosts, rate, per_host = res["summary"], res["hosts"], res["rate"], res["per_host"]
+        shape = f"{hosts} hosts × {per_host} rank{'s' if per_host > 1 else ''} @ {rate:g} Mbit/s"
+        if "defaults" not in s:
+            continue
+        target = TARGET_SPEEDUP.get((hosts, per_host, rate))
+        if target is not None and "ddp_fp32" in s:
+            sp = s["ddp_fp32"]["median"] / s["defaults"]["median"]
+            lines.append(f"{'✅' if sp >= target else '❌'} {shape}: the hook's defaults are "
+                         f"{sp:.2f}× as fast as DDP fp32 (target ≥ {target:g}×)")
+        fixed = [m for m in ("allgather", "two_phase", "allgather_entropy", "two_phase_entropy")
+                 if m in s]
+        if fixed:
+            ref = min(fixed, key=lambda m: s[m]["median"])
+            ratio = s["defaults"]["median"] / s[ref]["median"]
+            lines.append(f"{'✅' if ratio <= AUTO_TOLERANCE else '❌'} {shape}: the defaults "
+                         f"(wire=\"auto\") take {ratio:.2f}× the step of the fastest forced wire "
+                         f"({ref}) (≤ {AUTO_TOLERANCE:g}×)")
+    return lines
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -261,9 +331,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--warmup-rounds", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma list from {list(MODES)}")
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="ranks in every host's namespace (they share its shaped link)")
     p.add_argument("--bits", type=int, default=3)
-    p.add_argument("--bucket-size", type=int, default=8192)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-load", type=float, default=0.7)
@@ -313,7 +385,8 @@ def main(argv=None) -> int:
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(CLUSTER_MLP)
     cfg = {"sizes": sizes, "batch": args.batch, "rounds": args.rounds,
            "warmup_rounds": args.warmup_rounds, "steps": args.steps, "modes": args.modes,
-           "bits": args.bits, "bucket_size": args.bucket_size, "lr": args.lr, "seed": args.seed}
+           "bits": args.bits, "lr": args.lr, "seed": args.seed,
+           "ranks_per_host": args.ranks_per_host}
     sections, raw_all, described = [], [], ""
     log_dir = Path(tempfile.mkdtemp(prefix="aq_ddp_cluster_logs_"))
     started = time.monotonic()
@@ -329,8 +402,9 @@ def main(argv=None) -> int:
                 raw = launch(cluster, cfg, args.timeout, log_dir)
                 summary = summarize(raw, cfg)
                 raw_all.append({"hosts": hosts, "rate": rate, "load": load, "link": link,
-                                "summary": summary})
-                sections.append(f"### {hosts} hosts, {rate:g} Mbit/s (link test {link:.1f} "
+                                "per_host": args.ranks_per_host, "summary": summary})
+                sections.append(f"### {hosts} hosts × {args.ranks_per_host} rank(s), {rate:g} "
+                                f"Mbit/s (link test {link:.1f} "
                                 f"Mbit/s; load average before: {load})\n\n"
                                 + format_config(summary, args.modes))
                 print(sections[-1], file=sys.stderr, flush=True)
@@ -347,6 +421,7 @@ def main(argv=None) -> int:
         "in different orders. 4 ranks share the machine's cores; the load average before each "
         "launch is given (other jobs ran on the machine).",
         f"Cluster: {described}.", *sections,
+        "### Targets (issue 36)\n\n" + "\n".join(f"- {t}" for t in check_targets(raw_all)),
         f"Total wall time {time.monotonic() - started:.0f} s."])
     path = report.write(args.name, "DDP on an emulated cluster: fp32 vs fp16, PowerSGD, ALQ hooks",
                         body, quick=args.quick)

@@ -33,8 +33,9 @@ TABLE_ROW = re.compile(r"^\|.*\|\s*$", re.MULTILINE)
 TABLE_RULE = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$", re.MULTILINE)
 
 
-def run_quick(name: str, timeout: float) -> str:
-    """Run benchmarks/<name>.py --quick; return its report after basic checks."""
+def run_quick(name: str, timeout: float, figure: bool = True) -> str:
+    """Run benchmarks/<name>.py --quick; return its report after basic checks (``figure``:
+    the benchmark also draws a PNG)."""
     start = time.time()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick"],
@@ -45,7 +46,7 @@ def run_quick(name: str, timeout: float) -> str:
     md, png = QUICK / f"{name}.md", QUICK / f"{name}.png"
     assert md.exists(), f"{md} was not written"
     assert md.stat().st_mtime >= start - 1, f"{md} is stale (not rewritten by this run)"
-    assert png.exists() and png.stat().st_size > 1000, f"{png} missing or empty"
+    assert not figure or (png.exists() and png.stat().st_size > 1000), f"{png} missing or empty"
     text = md.read_text()
     assert "- Command: `python benchmarks/" in text and "- Versions:" in text, text[:500]
     assert TABLE_RULE.search(text) and len(TABLE_ROW.findall(text)) >= 3, \
@@ -100,15 +101,35 @@ def test_cluster_quick():
     if reason and "missing tools" not in reason:   # cluster.py installs missing packages
         pytest.skip(reason)
     text = run_quick("cluster", timeout=420)
-    assert "✅ 2 hosts @ 100 Mbit/s, alq3_allgather" in text, text
+    # the row users read first: the library's defaults with nothing set but bits (issue 36)
+    assert "| horovod_aq ALQ(bits=3), every default |" in text.split("Per-rank breakdown")[0]
+    assert "`wire=\"auto\"` chose, from step" in text, text
     breakdown = text.split("Per-rank breakdown")[1]   # encode / decode / wait per rank
-    assert "| horovod_aq ALQ 3-bit, packed, allgather | 1 |" in breakdown, text
-    assert "❌" not in text.split("### Targets")[1], text
+    assert "| horovod_aq ALQ(bits=3), every default | 1 |" in breakdown, text
+    targets = text.split("### Targets")[1]
+    assert "2 hosts × 1 rank @ 100 Mbit/s: the defaults (wire=\"auto\") take" in targets, text
+    assert "❌" not in targets, text
     # nothing left behind
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                           check=False).stdout
     mine = [ln for ln in left.splitlines() if ln.startswith(netns.TAG_PREFIX)]
     assert not any(_owner_gone(ln) for ln in mine), f"namespaces left behind: {mine}"
+
+
+@pytest.mark.slow
+def test_ddp_cluster_quick():
+    from benchmarks import netns
+
+    if os.geteuid() != 0:
+        pytest.skip("the emulated cluster needs root (network namespaces, bridge, tc)")
+    reason = netns.check_requirements()
+    if reason:
+        pytest.skip(reason)
+    text = run_quick("ddp_cluster", timeout=420, figure=False)
+    # the hook's defaults row, with what wire="auto" chose (issue 36)
+    assert "| horovod_aq hook, ALQ(bits=3), every default |" in text, text
+    assert "wire=\"auto\" chose" in text, text
+    assert "2 hosts × 1 rank @ 100 Mbit/s: the defaults (wire=\"auto\") take" in text, text
 
 
 #: Run in a private network namespace (``unshare --net``) made to look like a Docker host:
