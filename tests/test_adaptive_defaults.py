@@ -57,7 +57,7 @@ def test_default_alq_3bit_adapts_to_low_variance_in_training():
 
 #: The packed entry points and the function whose ``error_feedback=`` default is pinned (the
 #: TF/Keras ones are read from their source, so this test needs no TensorFlow).
-PACKED_ENTRY_POINTS = [("horovod_aq/torch/optimizer.py", "DistributedOptimizer"),
+PACKED_ENTRY_POINTS = [("horovod_aq/torch/distributed_optimizer.py", "DistributedOptimizer"),
                        ("horovod_aq/torch/ddp.py", "__init__"),
                        ("horovod_aq/tensorflow/tape.py", "DistributedGradientTape"),
                        ("horovod_aq/tensorflow/keras.py", "DistributedOptimizer"),

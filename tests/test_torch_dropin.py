@@ -650,6 +650,7 @@ def test_wrapping_a_wrapped_optimizer_says_so(launch):
 
 
 def test_small_tensor_threshold_is_validated():
+    import horovod.torch as hvd
     import torch
 
     import horovod_aq
@@ -664,7 +665,7 @@ def test_small_tensor_threshold_is_validated():
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  model.named_parameters(), horovod_aq.QSGD(bits=3),
-                                 op=horovod_aq.torch.optimizer.Sum, gradient_predivide_factor=2.0)
+                                 op=hvd.Sum, gradient_predivide_factor=2.0)
     with pytest.raises(TypeError, match=r"horovod_aq\.ALQ\(bits=3\)"):
         aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  model.named_parameters(), horovod_aq.Compressor)

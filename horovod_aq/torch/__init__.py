@@ -17,7 +17,7 @@ require("torch", "torch")
 _hvd = import_horovod("horovod.torch")
 
 _LAZY = {
-    "DistributedOptimizer": "horovod_aq.torch.optimizer",
+    "DistributedOptimizer": "horovod_aq.torch.distributed_optimizer",
     "DEFAULT_FUSION_BYTES": "horovod_aq.packed.plan",
     "ConfigMismatchError": "horovod_aq.packed.protocol",
     "refit": "horovod_aq.torch.stock",

@@ -46,6 +46,7 @@ from horovod_aq.error_feedback import (
     consolidate_memory,
     select_memory,
 )
+from horovod_aq.torch import layout
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         raise
     watch_broadcasts(opt)
     opt._aq_reset_step()
-    opt._aq_load_wire(wire_state)
+    layout.load_wire(opt, wire_state)
     opt._aq_checked = False
     opt._aq_ckpt.loaded = aq_state
 
@@ -209,7 +210,7 @@ def broadcast_state_dict(opt: Any, frame: FrameType) -> dict[str, Any]:
         # the root ships its wire state and takes it as every receiver will (an unfinished
         # measurement restarts on every rank at the same step)
         wire = opt._aq_wire_setting.state_dict()
-        opt._aq_load_wire(wire)
+        layout.load_wire(opt, wire)
         ckpt.outgoing = {"exchange": opt._aq_identity, "state": compression, "installed": False,
                          "wire": wire}
         state["param_groups"][0] = {**state["param_groups"][0], BROADCAST_KEY: ckpt.outgoing}
@@ -269,7 +270,7 @@ def install(opt: Any, shipped: dict[str, Any], wire: dict[str, Any] | None = Non
     except (ValueError, KeyError, TypeError) as exc:
         logger.warning("%s: not adopting the compressor state broadcast by "
                        "broadcast_optimizer_state: %s", comp.name, exc)
-    opt._aq_load_wire(wire)
+    layout.load_wire(opt, wire)
     opt._aq_ckpt.loaded = None
     opt._aq_checked = False
 
