@@ -51,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-size", type=int, default=512)
     p.add_argument("--ptx-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--arch", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ptx-kernels", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -85,7 +86,7 @@ def _signature(fn, ptr_types: dict[str, str], constexprs: dict[str, object]) -> 
         elif name in ptr_types:
             sig[name] = ptr_types[name]
         else:
-            sig[name] = "fp32" if name == "world_f" else "i32"
+            sig[name] = "fp32" if name in ("world_f", "alpha", "beta") else "i32"
     return sig
 
 
@@ -94,6 +95,9 @@ def _signature(fn, ptr_types: dict[str, str], constexprs: dict[str, object]) -> 
 #: add.f32 into an FMA; with enable_fp_fusion=False LLVM writes the non-contractible .rn forms).
 APPROXIMATE = (r"div\.(approx|full)", r"rcp\.approx", r"sqrt\.approx", r"\.ftz\b", r"\bfma\.",
                r"\bmad\.[a-z.]*f(32|64)", r"\b(add|sub|mul)\.f(32|64)\b")
+_COMPENSATED_PTRS = {"g_ptr": "*fp32", "h_ptr": "*fp32", "norms_ptr": "*fp32",
+                     "lev_ptr": "*fp32", "gap_ptr": "*fp32", "codes_ptr": "*u8",
+                     "out_ptr": "*fp32", "sq_ptr": "*fp64", "status_ptr": "*i32"}
 #: (kernel, pointer types, constexprs, instructions required)
 PTX_CASES = [
     ("_encode_kernel", {"x_ptr": "*fp32", "norms_ptr": "*fp32", "lev_ptr": "*fp32",
@@ -117,6 +121,16 @@ PTX_CASES = [
      {"W": tk.NORM_BLOCK, "LOG_W": tk.NORM_BLOCK.bit_length() - 1, "ROWS": 1, "L2": True,
       "FROM_INPUT": False, "WIDE": False, "SQUARES": False},
      ("add.rn.f64", "sqrt.rn.f64")),
+    ("_compensated_kernel", _COMPENSATED_PTRS,
+     {"BITS": 3, "GROUPS": tk.ENCODE_GROUPS, "ROWS": 4, "W": 256, "LOG_W": 8, "LOCAL": True,
+      "L2": True, "HAS_H": True, "POW2_BUCKET": True, "WIDE": False},
+     ("div.rn.f32", "mul.rn.f32", "add.rn.f32", "sub.rn.f32", "mul.rn.f64", "add.rn.f64",
+      "sqrt.rn.f64", "atom.global")),
+    ("_compensated_kernel", _COMPENSATED_PTRS,
+     {"BITS": 8, "GROUPS": tk.ENCODE_GROUPS, "ROWS": 1, "W": 8 * tk.ENCODE_GROUPS,
+      "LOG_W": 10, "LOCAL": False, "L2": False, "HAS_H": False, "POW2_BUCKET": False,
+      "WIDE": True},
+     ("div.rn.f32", "mul.rn.f32", "sub.rn.f32", "atom.global")),
     ("_partial_kernel", {"src_ptr": "*fp32", "dst_ptr": "*fp64"},
      {"M": 256, "LOG_M": 8, "KT": tk.NORM_BLOCK // 256, "L2": True, "FROM_INPUT": True,
       "WIDE": False},
@@ -124,16 +138,21 @@ PTX_CASES = [
 ]
 
 
-def ptx_rows(arch: int) -> list[list[object]]:
-    """Compile every case for sm_<arch> (no GPU needed) and check its PTX."""
+def ptx_rows(arch: int, only: str | None = None) -> list[list[object]]:
+    """Compile every case (or those of the kernels named in the comma list ``only``) for
+    sm_<arch> (no GPU needed) and check its PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernels = tk._kernels()
+    from horovod_aq.torch import triton_compensated
+
+    kernels = {**tk._kernels(), "_compensated_kernel": triton_compensated._kernel()}
     target = GPUTarget("cuda", arch, 32)
     rows = []
     for name, ptrs, constexprs, required in PTX_CASES:
+        if only is not None and name not in only.split(","):
+            continue
         fn = kernels[name]
         src = ASTSource(fn, _signature(fn, ptrs, constexprs), constexprs)
         compiled = triton.compile(src, target=target,
@@ -357,7 +376,7 @@ def packed_step(device: torch.device, bits: int = 3, bucket_size: int = 128) -> 
 
 def main() -> int:
     if args.ptx_only:
-        for row in ptx_rows(args.arch or 90):
+        for row in ptx_rows(args.arch or 90, args.ptx_kernels):
             print("\t".join(str(c) for c in row))
         return 0
     if args.dry_run:
