@@ -12,6 +12,9 @@ script, which needs torch (CUDA) and triton only (no Horovod, no TensorFlow) and
 2b. the entropy coder (``horovod_aq.torch.triton_entropy``, docs/format.md §12): rANS encode
    and decode of 16M and 64M symbols, checked against the numpy oracle, in GB/s of symbols
    beside DietGPU's published 250–410 GB/s on an A100;
+2c. error feedback fused into the encode (``horovod_aq.torch.triton_compensated``, docs/dynamic.md
+   §2.6): 64M float32 coordinates at 2/3/4 bits (and B = 1000, the three-pass kernel), against
+   the same-run copy and the unfused steps on the device, payload and h' checked bit for bit;
 3. a single-process "packed step" of a small model: two ranks' flattened gradients encoded with
    their stream keys, ``decode_average`` of the two payloads, both checked byte for byte against
    the numpy oracle, then applied.
@@ -328,6 +331,66 @@ def entropy_encode_rows(sizes: dict[str, int], bucket_size: int, device: torch.d
     return rows, all_ok
 
 
+# ------------------------------------------------------ 2c. error feedback fused into the encode
+
+#: α, β of the fused-encode rows (ALQ 3-bit's default pair, docs/dynamic.md §2.4).
+EF_ALPHA, EF_BETA = 0.5103, 0.9
+EF_BITS = (2, 3, 4)
+
+
+def compensated_rows(n: int, bucket_size: int, device: torch.device,
+                     reps: int) -> tuple[list[list[object]], bool]:
+    """ECQ-SGD's fused send (``horovod_aq.torch.triton_compensated``: x = g + α·h, encode,
+    h' = β·h + (g − g̃), flags and S_k, and the one device→host read) of n float32 coordinates
+    at 2/3/4 bits — B = ``bucket_size`` (one pass when a power of two ≤ 4096) and B = 1000
+    (three passes) at 3 bits — against a device-to-device copy timed in the same run, and
+    against the unfused steps on the device (compensate, ``encode``, ``decode``, the memory
+    update, its finite check and ‖h'‖², as ``ErrorMemory.update`` and telemetry run them).
+    Payload and h' are checked bit for bit against the unfused steps (bitwise the oracle's,
+    tests/test_triton_compensated.py)."""
+    from horovod_aq.torch import triton_compensated as tc
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    g = torch.randn(n, generator=gen, device=device, dtype=torch.float32)
+    h = 0.1 * torch.randn(n, generator=gen, device=device, dtype=torch.float32)
+    out = torch.empty_like(g)
+    copy_s = timed(lambda: torch.empty_like(g).copy_(g), reps, device)
+    gbs = lambda seconds: 4 * n / seconds / 1e9  # noqa: E731 - float32 bytes of g per second
+    rows = [["copy", "-", "-", f"{copy_s * 1e3:.3f}", f"{gbs(copy_s):.1f}", "100 %", "-", "-"]]
+    all_ok = True
+    cases = [(bits, bucket_size) for bits in EF_BITS] + [(3, 1000)]
+    for bits, B in cases:
+        table = LevelTable(families.uniform(bits), 1)
+        key = StreamKey(seed=bits, rank=0, step=1)
+
+        def fused():
+            send = tc.Send(table, bucket_size=B, norm="l2", alpha=EF_ALPHA, beta=EF_BETA,
+                           sizes=[n], device=device)
+            payload = send.encode(g, h, out, key)
+            return payload, send.outcome()
+
+        def unfused():
+            x = g + EF_ALPHA * h
+            payload = tk.encode(x, table, bucket_size=B, key=key)
+            new = EF_BETA * h + (g - tk.decode(payload, table))
+            return payload, new, bool(torch.isfinite(new).all()), \
+                float(torch.sum(new.to(torch.float64) ** 2))
+
+        payload, found = fused()
+        want, new, finite, squares = unfused()
+        ok = (found is not None and found[0] == finite and torch.equal(payload, want)
+              and torch.equal(out.view(torch.int32), new.view(torch.int32))
+              and abs(found[1] - squares) <= 1e-9 * squares)
+        all_ok &= ok
+        fused_s, unfused_s = timed(fused, reps, device), timed(unfused, reps, device)
+        passes = "one" if tc.local_width(min(B, n)) else "three"
+        rows.append([f"fused, {passes} pass{'es' if passes == 'three' else ''}", bits, B,
+                     f"{fused_s * 1e3:.3f}", f"{gbs(fused_s):.1f}",
+                     f"{100 * copy_s / fused_s:.0f} %", f"{unfused_s / fused_s:.1f}×",
+                     "yes" if ok else "NO"])
+    return rows, all_ok
+
+
 # -------------------------------------------------------------------------- 3. packed step
 
 
@@ -394,6 +457,8 @@ def main() -> int:
     started = time.time()
     ptx_text, ptx_ok = ptx_section(args.dry_run)
     perf, perf_ok = throughput_rows(sizes, args.bucket_size, device, reps)
+    fused_ef, fused_ef_ok = compensated_rows(5000 if args.dry_run else 1 << 26,
+                                             args.bucket_size, device, reps)
     step, step_ok = packed_step(device)
     coder, coder_ok = entropy_rows({"5000": 5000} if args.dry_run else
                                    {"16M": 1 << 24, "64M": 1 << 26}, device,
@@ -423,6 +488,20 @@ def main() -> int:
         f"Target: at least {100 * TARGET_RATIO:.0f} % of the copy.",
         "",
         markdown_table(["n", "bits", "op", "ms", "GB/s", "vs copy", "≥ target"], perf),
+        "",
+        "## Error feedback fused into the encode (docs/dynamic.md §2.6)",
+        "",
+        "`horovod_aq.torch.triton_compensated.Send` (what the torch wire runs for CUDA float32 "
+        "gradients with error feedback): x = g + α·h, bucket norms, codes, packing and "
+        "h' = β·h + (g − g̃) in one kernel, the finite flags and per-bucket ‖h'‖² sums read to "
+        f"the host once (included); {'5000' if args.dry_run else '64M'} float32 coordinates, "
+        "l2. GB/s of float32 g (4·n bytes per call); the one-pass kernel reads g and h and "
+        "writes h' (12·n bytes against the copy's 8·n). \"unfused\": the steps it replaces on "
+        "the device (compensate, encode, decode, memory update, finite check, ‖h'‖²), same "
+        "run; \"= unfused\": payload and h' bit for bit.",
+        "",
+        markdown_table(["op", "bits", "B", "ms", "GB/s", "vs copy", "unfused / fused",
+                        "= unfused"], fused_ef),
         "",
         "## Entropy coder (rANS, docs/format.md §12)",
         "",
@@ -463,13 +542,14 @@ def main() -> int:
         out.write_text(report)
         print(report)
         print(f"wrote {out}")
-    summary = (f"instructions {'ok' if ptx_ok else 'FAILED'}; packed step "
+    summary = (f"instructions {'ok' if ptx_ok else 'FAILED'}; fused error feedback "
+               f"{'ok' if fused_ef_ok else 'FAILED'}; packed step "
                f"{'ok' if step_ok else 'FAILED'}; entropy coder "
                f"{'ok' if coder_ok else 'FAILED'}; entropy encode "
                f"{'ok' if coded_ok else 'FAILED'}; throughput "
                f"{'meets' if perf_ok else 'misses'} the {100 * TARGET_RATIO:.0f} % target")
     print(summary)
-    return 0 if ptx_ok and step_ok and coder_ok and coded_ok else 1
+    return 0 if ptx_ok and fused_ef_ok and step_ok and coder_ok and coded_ok else 1
 
 
 if __name__ == "__main__":
