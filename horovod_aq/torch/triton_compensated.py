@@ -205,12 +205,15 @@ class Send:
             raise ValueError(f"the random stream indexes at most {MAX_STREAM_NUMEL} coordinates, "
                              f"got {max(self.sizes)}")
         self.buckets = [codec.num_buckets(s, self.bucket_size) for s in self.sizes]
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         total = sum(self.buckets)
-        with tk._prepare_device(self.device):
-            self._levels = tk._levels(self.table, self.device)
+        with tk._prepare_device(device):
+            self._levels = tk._levels(self.table, device)
             #: S_k of every part's buckets, then two int32 flags (bad norm, h' not finite).
-            self._result = torch.empty(total + 1, dtype=torch.float64, device=self.device)
+            self._result = torch.empty(total + 1, dtype=torch.float64, device=device)
             self._result[total:].zero_()
         self._status = self._result[total:].view(torch.int32)
         self._parts = 0
