@@ -263,7 +263,6 @@ class Send:
             tile = max(TILE, width or 0)
             k0, k1, c1, c2, c3 = (v - 2**32 if v >= 2**31 else v for v in key.scalars())
             tab = self._levels
-            tk._kernels()
             _kernel()[(-(-n // tile),)](
                 g, g if h is None else h, norms, tab.search, tab.gaps, payload[codes_at:], out,
                 squares, self._status, n, n_g, span, tk._log2(span), nb, tab.num_levels,
