@@ -12,6 +12,9 @@ script, which needs torch (CUDA) and triton only (no Horovod, no TensorFlow) and
 2b. the entropy coder (``horovod_aq.torch.triton_entropy``, docs/format.md §12): rANS encode
    and decode of 16M and 64M symbols, checked against the numpy oracle, in GB/s of symbols
    beside DietGPU's published 250–410 GB/s on an A100;
+2c. error feedback fused into the encode (``horovod_aq.torch.triton_compensated``, docs/dynamic.md
+   §2.6): 64M float32 coordinates at 2/3/4 bits (and B = 1000, the three-pass kernel), against
+   the same-run copy and the unfused steps on the device, payload and h' checked bit for bit;
 3. a single-process "packed step" of a small model: two ranks' flattened gradients encoded with
    their stream keys, ``decode_average`` of the two payloads, both checked byte for byte against
    the numpy oracle, then applied.
@@ -51,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-size", type=int, default=512)
     p.add_argument("--ptx-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--arch", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ptx-kernels", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -85,7 +89,7 @@ def _signature(fn, ptr_types: dict[str, str], constexprs: dict[str, object]) -> 
         elif name in ptr_types:
             sig[name] = ptr_types[name]
         else:
-            sig[name] = "fp32" if name == "world_f" else "i32"
+            sig[name] = "fp32" if name in ("world_f", "alpha", "beta") else "i32"
     return sig
 
 
@@ -94,6 +98,9 @@ def _signature(fn, ptr_types: dict[str, str], constexprs: dict[str, object]) -> 
 #: add.f32 into an FMA; with enable_fp_fusion=False LLVM writes the non-contractible .rn forms).
 APPROXIMATE = (r"div\.(approx|full)", r"rcp\.approx", r"sqrt\.approx", r"\.ftz\b", r"\bfma\.",
                r"\bmad\.[a-z.]*f(32|64)", r"\b(add|sub|mul)\.f(32|64)\b")
+_COMPENSATED_PTRS = {"g_ptr": "*fp32", "h_ptr": "*fp32", "norms_ptr": "*fp32",
+                     "lev_ptr": "*fp32", "gap_ptr": "*fp32", "codes_ptr": "*u8",
+                     "out_ptr": "*fp32", "sq_ptr": "*fp64", "status_ptr": "*i32"}
 #: (kernel, pointer types, constexprs, instructions required)
 PTX_CASES = [
     ("_encode_kernel", {"x_ptr": "*fp32", "norms_ptr": "*fp32", "lev_ptr": "*fp32",
@@ -111,12 +118,22 @@ PTX_CASES = [
      ("div.rn.f32", "mul.rn.f32", "add.rn.f32")),
     ("_norm_kernel", {"src_ptr": "*fp16", "norms_ptr": "*fp32"},
      {"W": 512, "LOG_W": 9, "ROWS": tk.NORM_BLOCK // 512, "L2": True, "FROM_INPUT": True,
-      "WIDE": False},
+      "WIDE": False, "SQUARES": False},
      ("mul.rn.f64", "add.rn.f64", "sqrt.rn.f64", "cvt.rn.f32.f64")),
     ("_norm_kernel", {"src_ptr": "*fp64", "norms_ptr": "*fp32"},
      {"W": tk.NORM_BLOCK, "LOG_W": tk.NORM_BLOCK.bit_length() - 1, "ROWS": 1, "L2": True,
-      "FROM_INPUT": False, "WIDE": False},
+      "FROM_INPUT": False, "WIDE": False, "SQUARES": False},
      ("add.rn.f64", "sqrt.rn.f64")),
+    ("_compensated_kernel", _COMPENSATED_PTRS,
+     {"BITS": 3, "GROUPS": tk.ENCODE_GROUPS, "ROWS": 4, "W": 256, "LOG_W": 8, "LOCAL": True,
+      "L2": True, "HAS_H": True, "POW2_BUCKET": True, "WIDE": False},
+     ("div.rn.f32", "mul.rn.f32", "add.rn.f32", "sub.rn.f32", "mul.rn.f64", "add.rn.f64",
+      "sqrt.rn.f64", "atom.global")),
+    ("_compensated_kernel", _COMPENSATED_PTRS,
+     {"BITS": 8, "GROUPS": tk.ENCODE_GROUPS, "ROWS": 1, "W": 8 * tk.ENCODE_GROUPS,
+      "LOG_W": 10, "LOCAL": False, "L2": False, "HAS_H": False, "POW2_BUCKET": False,
+      "WIDE": True},
+     ("div.rn.f32", "mul.rn.f32", "sub.rn.f32", "atom.global")),
     ("_partial_kernel", {"src_ptr": "*fp32", "dst_ptr": "*fp64"},
      {"M": 256, "LOG_M": 8, "KT": tk.NORM_BLOCK // 256, "L2": True, "FROM_INPUT": True,
       "WIDE": False},
@@ -124,16 +141,21 @@ PTX_CASES = [
 ]
 
 
-def ptx_rows(arch: int) -> list[list[object]]:
-    """Compile every case for sm_<arch> (no GPU needed) and check its PTX."""
+def ptx_rows(arch: int, only: str | None = None) -> list[list[object]]:
+    """Compile every case (or those of the kernels named in the comma list ``only``) for
+    sm_<arch> (no GPU needed) and check its PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernels = tk._kernels()
+    from horovod_aq.torch import triton_compensated
+
+    kernels = {**tk._kernels(), "_compensated_kernel": triton_compensated._kernel()}
     target = GPUTarget("cuda", arch, 32)
     rows = []
     for name, ptrs, constexprs, required in PTX_CASES:
+        if only is not None and name not in only.split(","):
+            continue
         fn = kernels[name]
         src = ASTSource(fn, _signature(fn, ptrs, constexprs), constexprs)
         compiled = triton.compile(src, target=target,
@@ -309,6 +331,66 @@ def entropy_encode_rows(sizes: dict[str, int], bucket_size: int, device: torch.d
     return rows, all_ok
 
 
+# ------------------------------------------------------ 2c. error feedback fused into the encode
+
+#: α, β of the fused-encode rows (ALQ 3-bit's default pair, docs/dynamic.md §2.4).
+EF_ALPHA, EF_BETA = 0.5103, 0.9
+EF_BITS = (2, 3, 4)
+
+
+def compensated_rows(n: int, bucket_size: int, device: torch.device,
+                     reps: int) -> tuple[list[list[object]], bool]:
+    """ECQ-SGD's fused send (``horovod_aq.torch.triton_compensated``: x = g + α·h, encode,
+    h' = β·h + (g − g̃), flags and S_k, and the one device→host read) of n float32 coordinates
+    at 2/3/4 bits — B = ``bucket_size`` (one pass when a power of two ≤ 4096) and B = 1000
+    (three passes) at 3 bits — against a device-to-device copy timed in the same run, and
+    against the unfused steps on the device (compensate, ``encode``, ``decode``, the memory
+    update, its finite check and ‖h'‖², as ``ErrorMemory.update`` and telemetry run them).
+    Payload and h' are checked bit for bit against the unfused steps (bitwise the oracle's,
+    tests/test_triton_compensated.py)."""
+    from horovod_aq.torch import triton_compensated as tc
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    g = torch.randn(n, generator=gen, device=device, dtype=torch.float32)
+    h = 0.1 * torch.randn(n, generator=gen, device=device, dtype=torch.float32)
+    out = torch.empty_like(g)
+    copy_s = timed(lambda: torch.empty_like(g).copy_(g), reps, device)
+    gbs = lambda seconds: 4 * n / seconds / 1e9  # noqa: E731 - float32 bytes of g per second
+    rows = [["copy", "-", "-", f"{copy_s * 1e3:.3f}", f"{gbs(copy_s):.1f}", "100 %", "-", "-"]]
+    all_ok = True
+    cases = [(bits, bucket_size) for bits in EF_BITS] + [(3, 1000)]
+    for bits, B in cases:
+        table = LevelTable(families.uniform(bits), 1)
+        key = StreamKey(seed=bits, rank=0, step=1)
+
+        def fused():
+            send = tc.Send(table, bucket_size=B, norm="l2", alpha=EF_ALPHA, beta=EF_BETA,
+                           sizes=[n], device=device)
+            payload = send.encode(g, h, out, key)
+            return payload, send.outcome()
+
+        def unfused():
+            x = g + EF_ALPHA * h
+            payload = tk.encode(x, table, bucket_size=B, key=key)
+            new = EF_BETA * h + (g - tk.decode(payload, table))
+            return payload, new, bool(torch.isfinite(new).all()), \
+                float(torch.sum(new.to(torch.float64) ** 2))
+
+        payload, found = fused()
+        want, new, finite, squares = unfused()
+        ok = (found is not None and found[0] == finite and torch.equal(payload, want)
+              and torch.equal(out.view(torch.int32), new.view(torch.int32))
+              and abs(found[1] - squares) <= 1e-9 * squares)
+        all_ok &= ok
+        fused_s, unfused_s = timed(fused, reps, device), timed(unfused, reps, device)
+        passes = "one" if tc.local_width(min(B, n)) else "three"
+        rows.append([f"fused, {passes} pass{'es' if passes == 'three' else ''}", bits, B,
+                     f"{fused_s * 1e3:.3f}", f"{gbs(fused_s):.1f}",
+                     f"{100 * copy_s / fused_s:.0f} %", f"{unfused_s / fused_s:.1f}×",
+                     "yes" if ok else "NO"])
+    return rows, all_ok
+
+
 # -------------------------------------------------------------------------- 3. packed step
 
 
@@ -357,7 +439,7 @@ def packed_step(device: torch.device, bits: int = 3, bucket_size: int = 128) -> 
 
 def main() -> int:
     if args.ptx_only:
-        for row in ptx_rows(args.arch or 90):
+        for row in ptx_rows(args.arch or 90, args.ptx_kernels):
             print("\t".join(str(c) for c in row))
         return 0
     if args.dry_run:
@@ -375,6 +457,8 @@ def main() -> int:
     started = time.time()
     ptx_text, ptx_ok = ptx_section(args.dry_run)
     perf, perf_ok = throughput_rows(sizes, args.bucket_size, device, reps)
+    fused_ef, fused_ef_ok = compensated_rows(5000 if args.dry_run else 1 << 26,
+                                             args.bucket_size, device, reps)
     step, step_ok = packed_step(device)
     coder, coder_ok = entropy_rows({"5000": 5000} if args.dry_run else
                                    {"16M": 1 << 24, "64M": 1 << 26}, device,
@@ -404,6 +488,20 @@ def main() -> int:
         f"Target: at least {100 * TARGET_RATIO:.0f} % of the copy.",
         "",
         markdown_table(["n", "bits", "op", "ms", "GB/s", "vs copy", "≥ target"], perf),
+        "",
+        "## Error feedback fused into the encode (docs/dynamic.md §2.6)",
+        "",
+        "`horovod_aq.torch.triton_compensated.Send` (what the torch wire runs for CUDA float32 "
+        "gradients with error feedback): x = g + α·h, bucket norms, codes, packing and "
+        "h' = β·h + (g − g̃) in one kernel, the finite flags and per-bucket ‖h'‖² sums read to "
+        f"the host once (included); {'5000' if args.dry_run else '64M'} float32 coordinates, "
+        "l2. GB/s of float32 g (4·n bytes per call); the one-pass kernel reads g and h and "
+        "writes h' (12·n bytes against the copy's 8·n). \"unfused\": the steps it replaces on "
+        "the device (compensate, encode, decode, memory update, finite check, ‖h'‖²), same "
+        "run; \"= unfused\": payload and h' bit for bit.",
+        "",
+        markdown_table(["op", "bits", "B", "ms", "GB/s", "vs copy", "unfused / fused",
+                        "= unfused"], fused_ef),
         "",
         "## Entropy coder (rANS, docs/format.md §12)",
         "",
@@ -444,13 +542,14 @@ def main() -> int:
         out.write_text(report)
         print(report)
         print(f"wrote {out}")
-    summary = (f"instructions {'ok' if ptx_ok else 'FAILED'}; packed step "
+    summary = (f"instructions {'ok' if ptx_ok else 'FAILED'}; fused error feedback "
+               f"{'ok' if fused_ef_ok else 'FAILED'}; packed step "
                f"{'ok' if step_ok else 'FAILED'}; entropy coder "
                f"{'ok' if coder_ok else 'FAILED'}; entropy encode "
                f"{'ok' if coded_ok else 'FAILED'}; throughput "
                f"{'meets' if perf_ok else 'misses'} the {100 * TARGET_RATIO:.0f} % target")
     print(summary)
-    return 0 if ptx_ok and step_ok and coder_ok and coded_ok else 1
+    return 0 if ptx_ok and fused_ef_ok and step_ok and coder_ok and coded_ok else 1
 
 
 if __name__ == "__main__":

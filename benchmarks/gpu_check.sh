@@ -4,9 +4,14 @@
 #   1. tests/test_triton_kernels.py and tests/test_triton_entropy.py compiled for the GPU
 #      (TRITON_INTERPRET unset): byte-exact against the numpy oracle, all bit widths, ragged
 #      buckets, fp16/bf16/fp32, the rANS entropy coder;
+#   1b. tests/test_triton_compensated.py compiled for the GPU: error feedback fused into the
+#      encode (payload, new memory, its finiteness and norm bitwise the oracle's; the torch wire
+#      with it bitwise the unfused steps; large inputs; the send's one host synchronisation);
 #   2. benchmarks/gpu_check.py: PTX instruction check, encode/decode_average throughput against
-#      a device-to-device copy (16M and 64M float32, 2/3/4/8 bits), the rANS entropy coder (16M
-#      and 64M symbols, beside DietGPU's 250-410 GB/s on A100), a single-process packed step;
+#      a device-to-device copy (16M and 64M float32, 2/3/4/8 bits), the fused error-feedback
+#      encode (64M float32, 2/3/4 bits, against the copy and the unfused steps), the rANS
+#      entropy coder (16M and 64M symbols, beside DietGPU's 250-410 GB/s on A100), a
+#      single-process packed step;
 #   3. benchmarks/gpu_check_ddp.py: the DDP hook over NCCL (bit-exact against the oracle,
 #      markers, step time against DDP's fp32 allreduce);
 #   4. benchmarks/kernels.py --entropy on the machine's CPU, one thread (a quiet machine: the
@@ -14,7 +19,8 @@
 # Every step runs even when an earlier one failed, each under its own time limit, so one call
 # gives every number; the exit status is 1 if any step failed. Reports go to OUTDIR (default
 # benchmarks/results): gpu.md, gpu_ddp.md, kernels_entropy_gpu_host.md, and gpu_check.log (the
-# whole output, with each step's exit status and seconds). About 5 minutes on one H200.
+# whole output, with each step's exit status and seconds). About 7 minutes on one H200 (each
+# test step compiles its kernel variants once: about 1-2 s each).
 #
 #     benchmarks/gpu_check.sh [OUTDIR]
 #     PYTHON=python3 benchmarks/gpu_check.sh "$OUT"      # on the device machine
@@ -50,7 +56,9 @@ step() {
 step triton-tests 220 "$PYTHON" -m pytest tests/test_triton_kernels.py \
   tests/test_triton_entropy.py -q -p no:cacheprovider -o addopts= -rfE --durations=5 \
   -k "not gpu_check_dry_run"
-step gpu-check 170 "$PYTHON" benchmarks/gpu_check.py --out "$OUTDIR/gpu.md"
+step triton-ef-tests 240 "$PYTHON" -m pytest tests/test_triton_compensated.py -q \
+  -p no:cacheprovider -o addopts= -rfE --durations=5 -k "not compiles_for_the_gpu"
+step gpu-check 190 "$PYTHON" benchmarks/gpu_check.py --out "$OUTDIR/gpu.md"
 step gpu-check-ddp 90 "$PYTHON" benchmarks/gpu_check_ddp.py --out "$OUTDIR/gpu_ddp.md"
 step cpu-entropy-kernels 90 "$PYTHON" benchmarks/kernels.py --entropy --sizes 1M,16M \
   --bits 2,3,4 --repeats 2 --output "$OUTDIR/kernels_entropy_gpu_host.md"

@@ -516,6 +516,7 @@ def test_gpu_check_dry_run_writes_a_table(tmp_path):
     text = out.read_text()
     assert "| op |" in text and "encode" in text and "decode_average" in text
     assert "packed step" in text and "dry run" in text
+    assert "Error feedback fused into the encode" in text and "fused, one pass" in text
 
 
 # ------------------------------------------------------------------------------------ checksum

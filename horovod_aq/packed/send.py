@@ -19,12 +19,12 @@ For a bucket's raw local gradient g:
 PyTorch calls it eagerly and TensorFlow at trace time (its ``branch`` is a ``tf.cond``).
 
 **Fused** (``SendSteps.encode_compensated``, where the framework has a kernel for it: the torch
-wire on CPU tensors; docs/dynamic.md §2.6): steps 1, 4 and 5 run as one pass per part, which
-returns the payloads and h' without installing it, or nothing when a bucket of x cannot travel.
-Then step 2 is that outcome: only a failed pass computes x and the first bad element for the
-markers (the same element as above) and installs nothing. Step 3 computes x only on the
-steps that record, and h' is installed last. What is sent and what h becomes are bitwise the
-unfused steps' (``codec.encode_compensated`` is the definition).
+wire on CPU tensors and, with Triton, CUDA tensors; docs/dynamic.md §2.6): steps 1, 4 and 5 run
+as one pass per part, which returns the payloads and h' without installing it, or nothing when a
+bucket of x cannot travel. Then step 2 is that outcome: only a failed pass computes x and the
+first bad element for the markers (the same element as above) and installs nothing. Step 3
+computes x only on the steps that record, and h' is installed last. What is sent and what h
+becomes are bitwise the unfused steps' (``codec.encode_compensated`` is the definition).
 """
 
 from __future__ import annotations

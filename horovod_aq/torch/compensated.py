@@ -1,21 +1,27 @@
 """ECQ-SGD's fused send of a bucket for the torch wire: compensate, encode and update the error
-memory in one pass per part (docs/dynamic.md §2.6), on CPU tensors.
+memory in one pass per part (docs/dynamic.md §2.6), on CPU and CUDA tensors.
 
 :func:`encode_compensated` is ``packed.send.SendSteps.encode_compensated`` for
 :class:`~horovod_aq.torch.wire.Wire`: for each part — the whole bucket (allgather, part 0) or
 chunk k of its zero padding to P·m coordinates (two-phase first phase, part k; the averaged
-chunk's re-encode has no memory) — it runs ``codec.fused_compensated.try_encode_compensated``
-on zero-copy numpy views of g, h and the output buffer, with the wire's stream key and its
-timing (``Wire.timed_encode``). h' goes into the memory's spare buffer
-(``ErrorMemory.spare``; allocated the first time), is installed by the returned callable after
-the send succeeded, and never where a bucket cannot travel: the wire then sends markers
-(docs/protocol.md §4) and h stays as it was. The tap, when set, sees x = g + α·h, computed for
-it after a successful pass.
+chunk's re-encode has no memory) — it runs the fused kernel on views of g, h and the output
+buffer, with the wire's stream key, timing (``Wire.timed_encode``):
 
-CUDA tensors, other dtypes and ``HOROVOD_AQ_KERNELS=ops`` keep the unfused steps
+* **CPU**: ``codec.fused_compensated.try_encode_compensated`` on zero-copy numpy views, part
+  by part;
+* **CUDA** (Triton): ``torch.triton_compensated.Send``: every part is launched without a host
+  sync, then one device→host copy of the flags and per-bucket sums decides whether the bucket
+  travels (the entropy-coded wire and checksums add their own host round trips per part, as in
+  the unfused encode).
+
+h' goes into the memory's spare buffer (``ErrorMemory.spare``; allocated the first time), is
+installed by the returned callable after the send succeeded, and never where a bucket cannot
+travel: the wire then sends markers (docs/protocol.md §4) and h stays as it was. The tap, when
+set, sees x = g + α·h, computed for it after a successful pass.
+
+Other dtypes, CUDA without Triton and ``HOROVOD_AQ_KERNELS=ops`` keep the unfused steps
 (:func:`fusable`); both give bitwise the same payloads and memory.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -30,11 +36,12 @@ __all__ = ["encode_compensated", "fusable", "part_spans"]
 
 
 def fusable(wire: Any, raw: torch.Tensor) -> bool:
-    """Whether the wire sends ``raw`` with the fused pass: error feedback on, a float32 CPU
-    gradient, and the compiled CPU kernels in use (``kernels.implementation_for``)."""
-    return (wire.memory is not None and raw.device.type == "cpu" and raw.dtype == torch.float32
-            and raw.dim() == 1 and raw.is_contiguous()
-            and kernels.implementation_for(raw.device) == "fused")
+    """Whether the wire sends ``raw`` with the fused pass: error feedback on, a flat contiguous
+    float32 gradient, and a fused kernel for its device (``kernels.implementation_for``): the
+    compiled CPU kernel ("fused") or Triton's on CUDA ("triton")."""
+    return (wire.memory is not None and raw.dtype == torch.float32 and raw.dim() == 1
+            and raw.is_contiguous()
+            and kernels.implementation_for(raw.device) in ("fused", "triton"))
 
 
 def part_spans(mode: str, numel: int, ranks: int, bucket_size: int) -> list[tuple[int, int, int]]:
@@ -51,20 +58,42 @@ def encode_compensated(wire: Any, bucket: Any,
                        raw: torch.Tensor) -> tuple[list[torch.Tensor], Callable[[], None]] | None:
     """(payloads, install) for ``raw`` = g, or None when a bucket of x = g + α·h cannot travel
     (module docstring)."""
+    memory = wire.memory
+    g = raw.detach()
+    h = memory.saved(bucket.name, g)
+    h = None if h is None else h.detach().contiguous()
+    out = memory.spare(bucket.name, g)
+    if out is None:
+        out = torch.empty_like(g)
+    spans = part_spans(bucket.mode, bucket.numel, wire.ranks, wire.q.bucket_size)
+    parts = (_triton_parts if kernels.implementation_for(g.device) == "triton"
+             else _compiled_parts)
+    found = parts(wire, bucket, g, h, out, spans)
+    if found is None:
+        return None
+    payloads, finite, squares = found
+    if wire.tap is not None:
+        for part, x in enumerate(wire.parts(bucket, memory.compensate(bucket.name, g))):
+            wire.tap(bucket, part, x, payloads[part])
+    return payloads, lambda: memory.install(bucket.name, out, g, finite=finite,
+                                            sum_of_squares=squares, recycle=True)
+
+
+Parts = tuple[list[torch.Tensor], bool, float]
+
+
+def _compiled_parts(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | None,
+                    out: torch.Tensor, spans: list[tuple[int, int, int]]) -> Parts | None:
+    """CPU: the compiled kernel part by part on zero-copy numpy views; stops at the first part
+    that cannot travel."""
     from horovod_aq.codec import fused_compensated  # numba, as kernels imports it: on first use
 
     q, memory = wire.q, wire.memory
-    g = raw.detach()
-    h = memory.saved(bucket.name, g)
-    out = memory.spare(bucket.name, g)
-    if out is None:
-        out = torch.empty(g.shape, dtype=torch.float32)
     g_np, out_np = g.numpy(), out.numpy()
-    h_np = None if h is None else h.detach().contiguous().numpy()
+    h_np = None if h is None else h.numpy()
     payloads: list[torch.Tensor] = []
     finite, squares = True, 0.0
-    for part, (lo, hi, size) in enumerate(part_spans(bucket.mode, bucket.numel, wire.ranks,
-                                                     q.bucket_size)):
+    for part, (lo, hi, size) in enumerate(spans):
         sent = []
 
         def run(key, lo=lo, hi=hi, size=size, sent=sent):
@@ -81,8 +110,26 @@ def encode_compensated(wire: Any, bucket: Any,
         payloads.append(payload)
         finite = finite and sent[0].memory_finite
         squares += sent[0].memory_sum_of_squares
-    if wire.tap is not None:
-        for part, x in enumerate(wire.parts(bucket, memory.compensate(bucket.name, g))):
-            wire.tap(bucket, part, x, payloads[part])
-    return payloads, lambda: memory.install(bucket.name, out, g, finite=finite,
-                                            sum_of_squares=squares, recycle=True)
+    return payloads, finite, squares
+
+
+def _triton_parts(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | None,
+                  out: torch.Tensor, spans: list[tuple[int, int, int]]) -> Parts | None:
+    """CUDA: every part launched by ``triton_compensated.Send`` without waiting, then its one
+    device→host read decides (the parts of a bucket that cannot travel are discarded)."""
+    from horovod_aq.torch import triton_compensated
+
+    q, memory = wire.q, wire.memory
+    send = triton_compensated.Send(bucket.table, bucket_size=q.bucket_size, norm=q.norm,
+                                   alpha=memory.alpha, beta=memory.beta,
+                                   sizes=[size for _, _, size in spans], device=g.device)
+    payloads = []
+    for part, (lo, hi, size) in enumerate(spans):
+        def run(key, lo=lo, hi=hi, size=size):
+            fixed = send.encode(g[lo:hi], None if h is None else h[lo:hi], out[lo:hi], key)
+            return triton_compensated.finish(fixed, bucket.table, size, q.bucket_size,
+                                             coding=bucket.coding, checksum=q.checksum)
+
+        payloads.append(wire.timed_encode(bucket, part, run))
+    found = send.outcome()
+    return None if found is None else (payloads, *found)

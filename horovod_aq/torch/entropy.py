@@ -72,11 +72,19 @@ def encode_entropy_triton(x: torch.Tensor, levels: LevelTable | Any, *, bucket_s
     """The Triton path of :func:`encode_entropy` (CUDA; CPU tensors under
     ``TRITON_INTERPRET=1``): codes of the fixed-width payload, histogram, host model,
     ``triton_entropy.encode_symbols``, assembled on x's device (docs/format.md §12 layout)."""
-    from horovod_aq.torch import triton_entropy
-
     table = codec.as_table(levels)
     fixed = triton_kernels.encode(x, table, bucket_size=bucket_size, norm=norm, key=key)
-    n, bits, N = x.numel(), table.bits, table.num_levels
+    return entropy_of_fixed(fixed, table, x.numel(), bucket_size, checksum=checksum)
+
+
+def entropy_of_fixed(fixed: torch.Tensor, table: LevelTable, n: int, bucket_size: int, *,
+                     checksum: bool = False) -> torch.Tensor:
+    """``codec.encode_entropy``'s payload of the codes of a fixed-width payload of n
+    coordinates on the device (the Triton path: histogram, host model, rANS; the fixed payload
+    itself where it is not larger)."""
+    from horovod_aq.torch import triton_entropy
+
+    bits, N = table.bits, table.num_levels
     if n == 0:
         return seal_checksum(fixed) if checksum else fixed
     codes_at = HEADER_SIZE + NORM_BYTES * codec.num_buckets(n, bucket_size)

@@ -147,10 +147,12 @@ def _norm_values(x, L2: tl.constexpr):
 
 def _norm_kernel(src_ptr, norms_ptr, n, bucket_size, num_buckets,
                  W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr,
-                 L2: tl.constexpr, FROM_INPUT: tl.constexpr, WIDE: tl.constexpr):
+                 L2: tl.constexpr, FROM_INPUT: tl.constexpr, WIDE: tl.constexpr,
+                 SQUARES: tl.constexpr):
     """ROWS whole buckets per program, each zero-padded to W (a power of two ≥ its width):
-    l2 = float32(sqrt(canonical pairwise float64 sum of squares)), linf = max |x|. Reads the
-    input (FROM_INPUT) or a [num_buckets, W] scratch of partial sums/maxima."""
+    l2 = float32(sqrt(canonical pairwise float64 sum of squares)) — or, with SQUARES, that
+    float64 sum itself — linf = max |x|. Reads the input (FROM_INPUT) or a [num_buckets, W]
+    scratch of partial sums/maxima."""
     pid = tl.program_id(0)
     if WIDE:
         pid = pid.to(tl.int64)
@@ -168,7 +170,10 @@ def _norm_kernel(src_ptr, norms_ptr, n, bucket_size, num_buckets,
         for k in tl.static_range(LOG_W):  # q_k += q_{k + W/2}, W halving (codec step 2)
             q = tl.sum(tl.reshape(q, (ROWS, 2, W >> (k + 1))), axis=1)
         total = tl.reshape(q, (ROWS,))
-        value = tl.sqrt(total).to(tl.float32)
+        if SQUARES:
+            value = total
+        else:
+            value = tl.sqrt(total).to(tl.float32)
     else:
         value = tl.max(q, axis=1)
     tl.store(norms_ptr + rows, value, mask=rows < num_buckets)
@@ -202,6 +207,47 @@ def _partial_kernel(src_ptr, dst_ptr, n, bucket_size, src_width, dst_width, per_
     tl.store(dst_ptr + (bucket * dst_width + col), part)
 
 
+def _codes(x, nrm, live, first, ctr, word, lev_ptr, gap_ptr, nlev, k0, k1, c1, c2, c3,
+           BITS: tl.constexpr):
+    """code_i of the [2·GROUPS, 4] coordinates i = first + 4·ctr + word (docs/format.md §5
+    steps 3–4): r = clip(x/n_k, −1, 1), j its cell, ξ = (r − L_j)/D_j, code = j + [u_i < ξ];
+    0 where not ``live``."""
+    r = tl.div_rn(x, tl.where(nrm == 0.0, 1.0, nrm))  # zero bucket: 0 / 1 = 0
+    r = tl.minimum(tl.maximum(r, -1.0), 1.0)
+    j = _locate(r, lev_ptr, nlev, BITS)
+    xi = tl.div_rn(r - tl.load(lev_ptr + j), tl.load(gap_ptr + j))
+    # The stream: u_i = (Philox(⌊i/4⌋, c1, c2, c3; k0, k1)[i mod 4] >> 8) · 2^−24.
+    c0 = (first // 4 + ctr).to(tl.uint32)
+    zero = tl.zeros_like(c0)
+    w0, w1, w2, w3 = _philox(
+        c0, zero + c1.to(tl.uint32, bitcast=True), zero + c2.to(tl.uint32, bitcast=True),
+        zero + c3.to(tl.uint32, bitcast=True), zero + k0.to(tl.uint32, bitcast=True),
+        zero + k1.to(tl.uint32, bitcast=True))
+    sel = word[None, :]
+    w = tl.where(sel == 0, w0[:, None],
+                 tl.where(sel == 1, w1[:, None], tl.where(sel == 2, w2[:, None], w3[:, None])))
+    u = (w >> 8).to(tl.float32) * 5.9604644775390625e-08
+    return tl.where(live, tl.where(u < xi, j + 1, j), 0)  # unused bits of the last byte: 0
+
+
+def _store_packed(code, out_ptr, first, nbytes, BITS: tl.constexpr, GROUPS: tl.constexpr):
+    """Pack the 8·GROUPS codes from coordinate ``first`` (a multiple of 8) into GROUPS·BITS
+    bytes of ``out_ptr`` (below ``nbytes``): the 8 codes of a group are the low BITS bytes of
+    Σ_t code_t << (t·BITS) (docs/format.md §4)."""
+    t = tl.arange(0, 8)
+    if BITS <= 4:
+        code8 = tl.reshape(code, (GROUPS, 8)).to(tl.uint32)
+        packed = tl.sum(code8 << (t * BITS).to(tl.uint32)[None, :], axis=1)
+        byte = (packed[:, None] >> ((t * 8) & 31).to(tl.uint32)[None, :]) & 0xFF
+    else:
+        code8 = tl.reshape(code, (GROUPS, 8)).to(tl.uint64)
+        packed = tl.sum(code8 << (t * BITS).to(tl.uint64)[None, :], axis=1)
+        byte = (packed[:, None] >> (t * 8).to(tl.uint64)[None, :]) & 0xFF
+    g = first // 8 + tl.arange(0, GROUPS)
+    dst = g[:, None] * BITS + t[None, :]
+    tl.store(out_ptr + dst, byte.to(tl.uint8), mask=(t[None, :] < BITS) & (dst < nbytes))
+
+
 def _encode_kernel(x_ptr, norms_ptr, lev_ptr, gap_ptr, out_ptr, n, bucket_size, log_bucket,
                    nlev, nbytes, k0, k1, c1, c2, c3,
                    BITS: tl.constexpr, GROUPS: tl.constexpr, POW2_BUCKET: tl.constexpr,
@@ -218,35 +264,9 @@ def _encode_kernel(x_ptr, norms_ptr, lev_ptr, gap_ptr, out_ptr, n, bucket_size, 
     x = tl.load(x_ptr + i, mask=live, other=0.0).to(tl.float32)
     nrm = tl.load(norms_ptr + _bucket_of(i, bucket_size, log_bucket, POW2_BUCKET), mask=live,
                   other=1.0)
-    r = tl.div_rn(x, tl.where(nrm == 0.0, 1.0, nrm))  # zero bucket: 0 / 1 = 0
-    r = tl.minimum(tl.maximum(r, -1.0), 1.0)
-    j = _locate(r, lev_ptr, nlev, BITS)
-    xi = tl.div_rn(r - tl.load(lev_ptr + j), tl.load(gap_ptr + j))
-    # The stream: u_i = (Philox(⌊i/4⌋, c1, c2, c3; k0, k1)[i mod 4] >> 8) · 2^−24.
-    c0 = (first // 4 + ctr).to(tl.uint32)
-    zero = tl.zeros_like(c0)
-    w0, w1, w2, w3 = _philox(
-        c0, zero + c1.to(tl.uint32, bitcast=True), zero + c2.to(tl.uint32, bitcast=True),
-        zero + c3.to(tl.uint32, bitcast=True), zero + k0.to(tl.uint32, bitcast=True),
-        zero + k1.to(tl.uint32, bitcast=True))
-    sel = word[None, :]
-    w = tl.where(sel == 0, w0[:, None],
-                 tl.where(sel == 1, w1[:, None], tl.where(sel == 2, w2[:, None], w3[:, None])))
-    u = (w >> 8).to(tl.float32) * 5.9604644775390625e-08
-    code = tl.where(live, tl.where(u < xi, j + 1, j), 0)  # unused bits of the last byte: 0
-    # Pack: the 8 codes of a group are the low BITS bytes of Σ_t code_t << (t·BITS).
-    t = tl.arange(0, 8)
-    if BITS <= 4:
-        code8 = tl.reshape(code, (GROUPS, 8)).to(tl.uint32)
-        packed = tl.sum(code8 << (t * BITS).to(tl.uint32)[None, :], axis=1)
-        byte = (packed[:, None] >> ((t * 8) & 31).to(tl.uint32)[None, :]) & 0xFF
-    else:
-        code8 = tl.reshape(code, (GROUPS, 8)).to(tl.uint64)
-        packed = tl.sum(code8 << (t * BITS).to(tl.uint64)[None, :], axis=1)
-        byte = (packed[:, None] >> (t * 8).to(tl.uint64)[None, :]) & 0xFF
-    g = first // 8 + tl.arange(0, GROUPS)
-    dst = g[:, None] * BITS + t[None, :]
-    tl.store(out_ptr + dst, byte.to(tl.uint8), mask=(t[None, :] < BITS) & (dst < nbytes))
+    code = _codes(x, nrm, live, first, ctr, word, lev_ptr, gap_ptr, nlev, k0, k1, c1, c2, c3,
+                  BITS)
+    _store_packed(code, out_ptr, first, nbytes, BITS, GROUPS)
 
 
 def _decoded_row(codes_ptr, norms_ptr, lookup_ptr, src, src_mask, bucket, live, t,
@@ -296,7 +316,8 @@ def _decode_kernel(rows_ptr, row_stride, norms_ptr, norm_stride, lookup_ptr, out
     tl.store(out_ptr + i, acc, mask=live)
 
 
-_HELPERS = ("_philox", "_bucket_of", "_locate", "_norm_values", "_decoded_row")
+_HELPERS = ("_philox", "_bucket_of", "_locate", "_norm_values", "_codes", "_store_packed",
+            "_decoded_row")
 _KERNELS = ("_norm_kernel", "_partial_kernel", "_encode_kernel", "_decode_kernel")
 #: Runtime scalars that must not be specialized (a key word equal to 1, a size divisible by
 #: 16 …): one compiled variant per set of constexprs, whatever the values.
@@ -399,8 +420,11 @@ def _flat_input(x: torch.Tensor) -> torch.Tensor:
     return x.detach().reshape(-1).contiguous()  # fp16/bf16 are cast inside the kernels
 
 
-def _bucket_norms(flat: torch.Tensor, norms: torch.Tensor, bucket_size: int, norm: str) -> None:
-    """Fill ``norms`` (float32, ⌈n/B⌉) with the bucket norms of ``flat`` (codec step 2)."""
+def _bucket_norms(flat: torch.Tensor, norms: torch.Tensor, bucket_size: int, norm: str, *,
+                  squares: bool = False) -> None:
+    """Fill ``norms`` (float32, ⌈n/B⌉) with the bucket norms of ``flat`` (codec step 2); with
+    ``squares`` (l2 only) ``norms`` is float64 and gets each bucket's S_k = Σ float64(x_i)² in
+    the canonical pairwise order, before the sqrt."""
     k = _kernels()
     n, nb = flat.numel(), norms.numel()
     l2, wide, block = norm == "l2", _wide(n), NORM_BLOCK
@@ -419,7 +443,8 @@ def _bucket_norms(flat: torch.Tensor, norms: torch.Tensor, bucket_size: int, nor
         src, from_input, width = dst, False, dst_width
     rows = max(1, block // width)
     _launch(k["_norm_kernel"], (-(-nb // rows),), src, norms, n, bucket_size, nb, W=width,
-            LOG_W=_log2(width), ROWS=rows, L2=l2, FROM_INPUT=from_input, WIDE=wide)
+            LOG_W=_log2(width), ROWS=rows, L2=l2, FROM_INPUT=from_input, WIDE=wide,
+            SQUARES=squares)
 
 
 def _output(out: torch.Tensor | None, size: int, device) -> torch.Tensor:

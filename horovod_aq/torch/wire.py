@@ -15,7 +15,8 @@ Stages of a bucket (``Bucket.stage``)::
     idle ─submit─▶ a2a ─advance─▶ ag2 ──────────────▶ done     two-phase (§5.2)
 
 1. :meth:`Wire.submit` sends the bucket's raw float32 gradient (``packed.send.send_bucket``;
-   with error feedback on CPU one pass encodes and updates the memory, ``torch.compensated``):
+   with error feedback one pass, CPU or Triton, encodes and updates the memory,
+   ``torch.compensated``):
    one allgather "aq.ag.<bucket>" of the payload, or one alltoall "aq.a2a.<bucket>" of the P
    chunk payloads (markers in their place when the gradient cannot travel).
 2. :meth:`Wire.advance` (two-phase): waits for the alltoall, decides on the received chunks
@@ -288,7 +289,7 @@ class Wire:
         ``present``: which parameters had a gradient on this rank (masked buckets)."""
         q, P = self.q, self.ranks
         bucket.table, bucket.step = q.table, q.step
-        fused = compensated.fusable(self, raw)   # error feedback fused into the CPU encoder
+        fused = compensated.fusable(self, raw)   # error feedback fused into the encoder
         steps = SendSteps(compensate=lambda g: g if self.memory is None else
                           self.memory.compensate(bucket.name, g),
                           first_bad=self._first_bad, record=self._record,
