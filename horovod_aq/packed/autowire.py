@@ -48,13 +48,13 @@ import numpy as np
 
 from horovod_aq.packed.choice import (
     CODINGS,
-    MODES,
     WIRES,
     Trials,
     WireChoice,
     candidates,
     choose,
 )
+from horovod_aq.packed.cost import MODES
 from horovod_aq.packed.plan import BucketPlan
 
 logger = logging.getLogger(__name__)
@@ -121,15 +121,16 @@ def with_modes(plans: Sequence[BucketPlan], decision: WireDecision) -> list[Buck
 class AutoWire:
     """The schedule, trials and decision of ``wire`` ("auto", or a forced coding) of one
     exchange (module docstring). ``name`` makes the agreement's collective names unique and
-    rank-independent (e.g. the exchange key); ``exchange``: "auto" or a forced mode; ``ranks``:
-    the set size, known when the engine attaches (:mod:`.wire_setting`)."""
+    rank-independent (e.g. the exchange key); ``exchange``: "auto" or a forced mode; ``ranks``
+    and ``per_node``: the set size and the ranks per node of its topology (1: none), known when
+    the engine attaches (:mod:`.wire_setting`)."""
 
-    __slots__ = ("wire", "warmup_steps", "trials", "name", "exchange", "ranks", "start",
-                 "decision", "_rows")
+    __slots__ = ("wire", "warmup_steps", "trials", "name", "exchange", "ranks", "per_node",
+                 "start", "decision", "_rows")
 
     def __init__(self, wire: str = "auto", *, warmup_steps: int = WARMUP_STEPS,
                  trials: int = TRIALS, name: str = "wire", exchange: str = "auto",
-                 ranks: int = 1) -> None:
+                 ranks: int = 1, per_node: int = 1) -> None:
         if wire not in WIRES:
             raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
         if warmup_steps < 1 or trials < 1:
@@ -138,6 +139,7 @@ class AutoWire:
         self.wire = wire
         self.warmup_steps, self.trials = int(warmup_steps), int(trials)
         self.name, self.exchange, self.ranks = name, exchange, int(ranks)
+        self.per_node = int(per_node)
         self.start: int | None = None
         self.decision: WireDecision | None = None
         self._rows: list[tuple[float, ...]] = []
@@ -146,7 +148,7 @@ class AutoWire:
     @property
     def candidates(self) -> tuple[WireChoice, ...]:
         """The wires the trials compare (``choice.candidates`` for this set and exchange)."""
-        return candidates(self.ranks, self.exchange)
+        return candidates(self.ranks, self.exchange, per_node=self.per_node)
 
     @property
     def measure_steps(self) -> int:

@@ -4,9 +4,9 @@ from their timed trials (docs/protocol.md §5.5; the schedule and the agreement:
 
 **Candidates** (:func:`candidates`). Every coding of the payload body, "fixed" and "entropy"
 (docs/format.md §12), in every exchange mode the set size allows (:func:`allowed_modes`:
-allgather alone for P ≤ 2, two-phase alone from ``TWO_PHASE_MIN_RANKS``, both in between, or the
-user's forced mode). The fixed codes in the planned mode come first: that is the wire when
-nothing is decided.
+allgather alone for P ≤ 2, two-phase alone from ``TWO_PHASE_MIN_RANKS``, both in between, on a
+topology the node-aware modes too (docs/protocol.md §5.7), or the user's forced mode). The
+fixed codes in the planned mode come first: that is the wire when nothing is decided.
 
 **Rule** (:func:`choose`). A trial is one step of the job with every bucket on one candidate;
 each rank times its step from the end of the one before and counts the bytes it sent. A step's
@@ -32,13 +32,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from horovod_aq.packed.cost import TWO_PHASE_MIN_RANKS
+from horovod_aq.packed.cost import FLAT_MODES, MODES, NODE_PREFIX, TWO_PHASE_MIN_RANKS
 
 #: What a ``wire=`` setting accepts: "auto" (this module's choice), or a forced coding.
 CODINGS = ("fixed", "entropy")
 WIRES = ("auto",) + CODINGS
-#: Exchange modes of a bucket (cost.py).
-MODES = ("allgather", "two_phase")
 #: How much slower than the fastest candidate the one with the fewest bytes may be measured and
 #: still be chosen (relative): below what the trials resolve on a shared host.
 TOLERANCE = 0.03
@@ -77,25 +75,30 @@ class Trials:
         return float(np.mean(self.bytes_sent))
 
 
-def allowed_modes(ranks: int, exchange: str = "auto") -> tuple[str, ...]:
-    """cost.py's rule: allgather for P ≤ 2, two-phase from TWO_PHASE_MIN_RANKS, else both;
-    a forced ``exchange`` is the only one."""
+def allowed_modes(ranks: int, exchange: str = "auto", per_node: int = 1) -> tuple[str, ...]:
+    """cost.py's rule: allgather for P ≤ 2, two-phase from TWO_PHASE_MIN_RANKS, else both; on
+    a topology of M > 1 nodes of L = ``per_node`` > 1 ranks also the node-aware modes whose
+    inner mode the same rule allows for M ranks. A forced ``exchange`` is the only one."""
     if exchange in MODES:
         return (exchange,)
     if exchange != "auto":
         raise ValueError(f"exchange must be 'auto' or one of {MODES}, got {exchange!r}")
     if ranks <= 2:
-        return ("allgather",)
-    if ranks >= TWO_PHASE_MIN_RANKS:
-        return ("two_phase",)
-    return MODES
+        flat: tuple[str, ...] = ("allgather",)
+    elif ranks >= TWO_PHASE_MIN_RANKS:
+        flat = ("two_phase",)
+    else:
+        flat = FLAT_MODES
+    if per_node < 2 or ranks % per_node or ranks == per_node:
+        return flat
+    return flat + tuple(NODE_PREFIX + m for m in allowed_modes(ranks // per_node))
 
 
-def candidates(ranks: int, exchange: str = "auto",
-               planned: str = "allgather") -> tuple[WireChoice, ...]:
+def candidates(ranks: int, exchange: str = "auto", planned: str = "allgather",
+               per_node: int = 1) -> tuple[WireChoice, ...]:
     """The wires the trials compare (module docstring): every coding in every allowed mode, the
     planned mode first, fixed before entropy."""
-    modes = allowed_modes(ranks, exchange)
+    modes = allowed_modes(ranks, exchange, per_node)
     modes = tuple(sorted(modes, key=lambda m: m != planned))
     return tuple(WireChoice(coding, mode) for mode in modes for coding in CODINGS)
 

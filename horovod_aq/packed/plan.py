@@ -107,6 +107,7 @@ def plan_buckets(
     bucket_size: int,
     ranks: int,
     network: NetworkModel = NetworkModel(),
+    per_node: int = 1,
 ) -> tuple[list[BucketPlan], list[int]]:
     """Fuse tensors into buckets in the given order (callers pass backward order).
 
@@ -115,7 +116,8 @@ def plan_buckets(
     ``small_threshold`` elements — and every tensor when the compressor does not quantize — are
     returned separately for an uncompressed allreduce. Names are ``<prefix>.<i>.<crc32 of the
     member names>``, so they depend only on the names, shapes and settings: identical on every
-    rank that builds the same model. Returns ``(buckets, uncompressed indices)``.
+    rank that builds the same model. ``per_node``: the ranks per node of the job's topology
+    (1: none; the node-aware modes need one). Returns ``(buckets, uncompressed indices)``.
     """
     buckets: list[BucketPlan] = []
     uncompressed: list[int] = []
@@ -127,7 +129,7 @@ def plan_buckets(
         member_names = "\0".join(names[i] for i in current)
         digest = zlib.crc32(member_names.encode()) & 0xFFFFFFFF
         numel = sum(numels[i] for i in current)
-        mode = resolve_exchange(exchange, numel, bits, bucket_size, ranks, network)
+        mode = resolve_exchange(exchange, numel, bits, bucket_size, ranks, network, per_node)
         buckets.append(BucketPlan(len(buckets), f"{prefix}.{len(buckets)}.{digest:08x}",
                                   tuple(current), numel, mode))
         current.clear()

@@ -234,15 +234,17 @@ class Traffic:
 
 
 def plan_traffic(buckets: Sequence[BucketPlan], small_numels: Sequence[int], *, fp16: bool,
-                 bits: int, bucket_size: int, ranks: int) -> Traffic:
+                 bits: int, bucket_size: int, ranks: int, per_node: int = 1) -> Traffic:
     """The traffic of one exchange: quantized buckets at code width ``bits`` plus the small
-    tensors' allreduces (fp16 on the wire for the FP16 compressor)."""
+    tensors' allreduces (fp16 on the wire for the FP16 compressor); ``per_node``: the ranks per
+    node of the node-aware modes."""
     t = Traffic()
     for b in buckets:
         t.numel += b.numel
         t.numel_quantized += b.numel
-        t.payload_bytes += payload_bytes_of(b.mode, b.numel, bits, bucket_size, ranks)
-        t.bytes_sent += bytes_sent(b.mode, b.numel, bits, bucket_size, ranks)
+        t.payload_bytes += payload_bytes_of(b.mode, b.numel, bits, bucket_size, ranks,
+                                            per_node)
+        t.bytes_sent += bytes_sent(b.mode, b.numel, bits, bucket_size, ranks, per_node)
         t.exchanges[b.mode] = t.exchanges.get(b.mode, 0) + 1
     wire = "allreduce_fp16" if fp16 else "allreduce_fp32"
     for n in small_numels:

@@ -73,8 +73,9 @@ class WireSetting:
         return self.auto.decision
 
     def attach(self, engine: Any) -> None:
-        """Take the set size from the wire engine (``engine.ranks``): the trials' candidates."""
-        self.auto.ranks = engine.ranks
+        """Take the set size and the ranks per node from the wire engine (``engine.ranks``,
+        ``engine.per_node``): the trials' candidates."""
+        self.auto.ranks, self.auto.per_node = engine.ranks, engine.per_node
 
     def _known(self, step: int, index: int) -> bool:
         d = self.auto.decision
@@ -102,10 +103,10 @@ class WireSetting:
     def end_step(self, step: int, comm: Any, plans: Sequence[BucketPlan], *,
                  sent: Mapping[str, float]) -> WireDecision | None:
         """At the end of exchanged step ``step``, on every rank: the step's seconds and ``sent``
-        (this rank's ``bytes_sent`` and ``payload_bytes``, :data:`horovod_aq.torch.wire.SENT`)
-        go to the trials; the agreement when it is due (returns the new decision), else None. A
-        decision made for other buckets than ``plans`` restarts the measurement at the next
-        step (logged)."""
+        (this rank's ``bytes_sent`` less its ``node_bytes``, and its ``payload_bytes``,
+        :data:`horovod_aq.torch.wire.SENT`) go to the trials; the agreement when it is due
+        (returns the new decision), else None. A decision made for other buckets than
+        ``plans`` restarts the measurement at the next step (logged)."""
         a = self.auto
         now = time.perf_counter()
         seconds = math.nan if self._last_end is None else now - self._last_end
@@ -118,7 +119,8 @@ class WireSetting:
                             "measuring the wire again from step %d", a.name, step + 1)
                 a.restart(step + 1)
             return None
-        a.record_step(step, seconds, float(sent.get("bytes_sent", 0)),
+        a.record_step(step, seconds,   # the bytes that leave the node (the network's share)
+                      float(sent.get("bytes_sent", 0)) - float(sent.get("node_bytes", 0)),
                       float(sent.get("payload_bytes", 0)))
         if not a.due(step):
             return None

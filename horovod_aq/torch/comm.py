@@ -31,7 +31,9 @@ from horovod.torch.mpi_ops import (
 )
 
 from horovod_aq import refit
+from horovod_aq.packed.topology import topology_for
 from horovod_aq.packed.waiting import FOREVER, Deadline, wait_until
+from horovod_aq.packed.world import World
 from horovod_aq.refit import Comm
 from horovod_aq.torch.wire import Received
 
@@ -55,6 +57,18 @@ class HorovodComm(refit.HorovodComm):
         handle = broadcast_async_(torch.from_numpy(array), root, name=name,
                                   process_set=self.process_set)
         return wait(handle, self.deadline, name).numpy()
+
+
+def world_of(process_set: hvd.ProcessSet = hvd.global_process_set) -> World:
+    """This rank's place in Horovod's world now (``packed.world``): its nodes from
+    ``packed.topology`` (Horovod's local rank and size, or the declared shape), for a process
+    set of the whole job only."""
+    inside = bool(process_set.included())
+    whole = inside and process_set.size() == hvd.size()
+    return World(size=process_set.size() if inside else 1,
+                 rank=process_set.rank() if inside else 0, global_rank=hvd.rank(),
+                 topology=topology_for(hvd.rank(), hvd.size(), local_rank=hvd.local_rank(),
+                                       local_size=hvd.local_size()) if whole else None)
 
 
 def comm_for(process_set: hvd.ProcessSet = hvd.global_process_set,
@@ -104,10 +118,11 @@ class HorovodCollectives:
         return _Handle(handle, lambda out: then(Received(out, delimit(
             out.detach().cpu().numpy(), self.size))))
 
-    def alltoall(self, payloads: list[torch.Tensor], name: str, *,
-                 variable: bool = False) -> _Handle:
-        """Send ``payloads[r]`` to rank r; ``wait()`` gives what every rank sent this one.
-        Horovod's alltoall returns the received splits, so sizes may vary (``variable``)."""
+    def alltoall(self, payloads: list[torch.Tensor], name: str, *, variable: bool = False,
+                 received: Any = None) -> _Handle:
+        """Send ``payloads[r]`` to rank r (any sizes, 0 included); ``wait()`` gives what every
+        rank sent this one. Horovod's alltoall returns the received splits, so ``variable``
+        and ``received`` need no work here."""
         splits = [p.numel() for p in payloads]
         handle = alltoall_async(torch.cat(payloads), splits=splits, name=name,
                                 process_set=self.process_set)
@@ -118,4 +133,4 @@ class HorovodCollectives:
         return _Handle(handle, collect)
 
 
-__all__ = ["HorovodCollectives", "HorovodComm", "comm_for", "wait"]
+__all__ = ["HorovodCollectives", "HorovodComm", "comm_for", "wait", "world_of"]

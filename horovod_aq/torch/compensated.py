@@ -60,9 +60,9 @@ def encode_compensated(wire: Any, bucket: Any,
     (module docstring)."""
     memory = wire.memory
     g = raw.detach()
-    h = memory.saved(bucket.name, g)
+    h = memory.saved(bucket.key, g)
     h = None if h is None else h.detach().contiguous()
-    out = memory.spare(bucket.name, g)
+    out = memory.spare(bucket.key, g)
     if out is None:
         out = torch.empty_like(g)
     spans = part_spans(bucket.mode, bucket.numel, wire.ranks, wire.q.bucket_size)
@@ -73,9 +73,9 @@ def encode_compensated(wire: Any, bucket: Any,
         return None
     payloads, finite, squares = found
     if wire.tap is not None:
-        for part, x in enumerate(wire.parts(bucket, memory.compensate(bucket.name, g))):
+        for part, x in enumerate(wire.parts(bucket, memory.compensate(bucket.key, g))):
             wire.tap(bucket, part, x, payloads[part])
-    return payloads, lambda: memory.install(bucket.name, out, g, finite=finite,
+    return payloads, lambda: memory.install(bucket.key, out, g, finite=finite,
                                             sum_of_squares=squares, recycle=True)
 
 

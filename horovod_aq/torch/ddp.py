@@ -70,7 +70,8 @@ from horovod_aq.packed.waiting import Deadline, wait_until
 from horovod_aq.packed.waiting import stall_timeout_s as stall_timeout_of
 from horovod_aq.packed.wire_setting import WireSetting
 from horovod_aq.telemetry import Telemetry
-from horovod_aq.torch.dist_comm import DistCollectives, DistComm, group_or_world
+from horovod_aq.torch.dist_comm import DistCollectives, DistComm, group_or_world, topology_of
+from horovod_aq.torch.node_exchange import build_wire
 from horovod_aq.torch.process_exit import destroy_and_exit
 from horovod_aq.torch.wire import Bucket, Wire
 
@@ -222,8 +223,9 @@ class QuantizedHookState:
         self._comm = DistComm(self._group, self._deadline)
         self._collectives = DistCollectives(self._group, self._deadline)
         # the global rank keys the random stream, as on the Horovod paths (docs/format.md §6)
-        self._wire = Wire(self.compression, self._collectives, stream_rank=dist.get_rank(),
-                          deadline=self._deadline)
+        self._wire = build_wire(self.compression, self._collectives,
+                                stream_rank=dist.get_rank(), deadline=self._deadline,
+                                topology=topology_of(self._group))
         self._wire_setting.attach(self._wire)
         self._resolved = True
 
@@ -275,9 +277,9 @@ class QuantizedHookState:
         index, buffer = bucket.index(), bucket.buffer()
         if index == 0:
             self._begin_step()
-        for unit in self._pending:   # two-phase stage 2 of earlier buckets, in bucket order
+        for unit in self._pending:   # the next stage of earlier buckets, in bucket order
             wire.advance(unit)
-        self._pending = [u for u in self._pending if u.stage == "a2a"]
+        self._pending = [u for u in self._pending if wire.advances(u)]
         units = self._units_for(index, list(bucket.parameters()), buffer)
         step = self.compression.quantizer.step
         for unit in units:
@@ -292,7 +294,7 @@ class QuantizedHookState:
                 self._allreduce(unit, raw)
             else:
                 wire.submit(unit, raw)
-            if unit.stage == "a2a":
+            if unit.mode != ALLREDUCE and wire.advances(unit):
                 self._pending.append(unit)
         devices = [buffer.device] if buffer.device.type == "cuda" else None
         future = torch.futures.Future(devices=devices)
@@ -354,7 +356,7 @@ class QuantizedHookState:
         refitted = q.end_step(self._comm)   # counts the step; refits when due
         self._end_wire(units)
         self.layout = [(u.index, u.name, u.numel, u.names) for u in units]
-        self._forget_memory({u.name for u in units})
+        self._forget_memory({self.wire.memory_key(u) for u in units if u.mode != ALLREDUCE})
         if self._target is not None and all(u.segments is None for u in units):
             self._target = None    # DDP's buckets are the saved ones again
         self._record(units, refitted)
@@ -382,7 +384,7 @@ class QuantizedHookState:
         small = [u.numel for u in units if u.mode == ALLREDUCE]
         traffic = plan_traffic([u.plan for u in units if u.mode != ALLREDUCE], small,
                                fp16=comp.fp16_wire, bits=bits, bucket_size=comp.bucket_size,
-                               ranks=self.ranks)
+                               ranks=self.ranks, per_node=self.wire.per_node)
         traffic = dataclasses.replace(traffic, **measured_traffic(   # the bytes really sent
             traffic, self.wire.take_sent(), small, fp16=comp.fp16_wire, ranks=self.ranks))
         self.telemetry.record(step_record(comp, step=step, ranks=self.ranks, bits=bits,
@@ -448,7 +450,7 @@ class QuantizedHookState:
             list(names), list(numels), [device] * len(names), prefix=f"{self.prefix}.b{index}",
             cap_numel=max(1, total), small_threshold=0, quantizes=comp.quantizes,
             exchange=settings.exchange, bits=comp.code_bits, bucket_size=comp.bucket_size,
-            ranks=self.ranks, network=settings.network)
+            ranks=self.ranks, network=settings.network, per_node=self.wire.per_node)
         if plans:
             plan = dataclasses.replace(plans[0], index=index)
         else:   # nothing quantized: one allreduce of the bucket

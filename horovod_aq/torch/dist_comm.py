@@ -20,13 +20,15 @@ CPU otherwise (Gloo, and Gloo supports float64 and int64).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from horovod_aq.packed.topology import Topology, topology_for
 from horovod_aq.packed.waiting import FOREVER, Deadline, wait_until
 from horovod_aq.torch.wire import Received
 
@@ -41,6 +43,19 @@ def comm_device(group: Any = None) -> torch.device:
     if dist.get_backend(group_or_world(group)) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def topology_of(group: Any = None) -> Topology | None:
+    """The nodes of ``group`` (``packed.topology``): the declared shape, or torchrun's
+    ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``; for the whole world only (None otherwise)."""
+    group = group_or_world(group)
+    size = dist.get_world_size()
+    if dist.get_world_size(group) != size:
+        return None
+    local = {k: int(os.environ[v]) for k, v in (("local_rank", "LOCAL_RANK"),
+                                                 ("local_size", "LOCAL_WORLD_SIZE"))
+             if os.environ.get(v, "").isdigit()}
+    return topology_for(dist.get_rank(), size, **local)
 
 
 def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: Any = None,
@@ -179,27 +194,31 @@ class DistCollectives:
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         return _then(work, lambda: then(tensor))
 
-    def alltoall(self, payloads: list[torch.Tensor], name: str, *,
-                 variable: bool = False) -> _Work:
-        """Send ``payloads[r]`` to rank r; ``wait()`` gives the received ones. Equal sizes
-        everywhere, or (``variable``) sizes exchanged first and passed as split sizes."""
+    def alltoall(self, payloads: list[torch.Tensor], name: str, *, variable: bool = False,
+                 received: Sequence[int] | None = None) -> _Work:
+        """Send ``payloads[r]`` to rank r; ``wait()`` gives the received ones. One size
+        everywhere; or the sizes every rank sends this one, ``received`` (known ahead) or
+        (``variable``) exchanged first; passed as split sizes."""
         send = torch.cat(payloads)
-        if not variable:
-            received = torch.empty_like(send)
-            work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
-            sizes = [p.numel() for p in payloads]
+        splits = [p.numel() for p in payloads]
+        if variable:
+            received = self._exchange_sizes(splits, name, gather=False)
+        if received is None:
+            out = torch.empty_like(send)
+            work = dist.all_to_all_single(out, send, group=self.group, async_op=True)
+            sizes = splits
         else:
-            splits = [p.numel() for p in payloads]
-            sizes = self._exchange_sizes(splits, name, gather=False)
-            received = torch.empty(sum(sizes), dtype=torch.uint8, device=send.device)
-            work = dist.all_to_all_single(received, send, output_split_sizes=sizes,
+            sizes = [int(n) for n in received]
+            out = torch.empty(sum(sizes), dtype=send.dtype, device=send.device)
+            work = dist.all_to_all_single(out, send, output_split_sizes=sizes,
                                           input_split_sizes=splits, group=self.group,
                                           async_op=True)
 
         def collect() -> Received:
             work.wait()
-            return Received(received, sizes)
+            return Received(out, sizes)
         return _Work(work.is_completed, collect)
 
 
-__all__ = ["DistCollectives", "DistComm", "all_gather_flat", "comm_device", "group_or_world"]
+__all__ = ["DistCollectives", "DistComm", "all_gather_flat", "comm_device", "group_or_world",
+           "topology_of"]

@@ -87,7 +87,7 @@ def plan(opt: Any) -> None:
             [devices[i] for i in members], prefix=prefix, cap_numel=settings.cap_numel,
             small_threshold=settings.small_tensor_threshold, quantizes=comp.quantizes,
             exchange=settings.exchange, bits=comp.code_bits, bucket_size=comp.bucket_size,
-            ranks=opt._aq_ranks, network=settings.network)
+            ranks=opt._aq_ranks, network=settings.network, per_node=opt._aq_per_node)
         return sub, [members[i] for i in small]
 
     groups = None if opt._aq_passthrough else group_ids(opt, ordered)
@@ -185,7 +185,7 @@ def traffic_at(opt: Any, bits: int) -> Traffic:
     if bits not in opt._aq_traffic:
         opt._aq_traffic[bits] = plan_traffic(
             opt._aq_plans, opt._aq_small_numels, fp16=opt._aq.fp16_wire, bits=bits,
-            bucket_size=opt._aq.bucket_size, ranks=opt._aq_ranks)
+            bucket_size=opt._aq.bucket_size, ranks=opt._aq_ranks, per_node=opt._aq_per_node)
     return opt._aq_traffic[bits]
 
 

@@ -67,8 +67,9 @@ from horovod_aq.packed.world import World, replan_reason
 from horovod_aq.telemetry import Telemetry
 from horovod_aq.torch import arguments, checkpoint, layout
 from horovod_aq.torch.agreement import StepAgreement
-from horovod_aq.torch.comm import HorovodCollectives, comm_for, wait
+from horovod_aq.torch.comm import HorovodCollectives, comm_for, wait, world_of
 from horovod_aq.torch.layout import OptimizerBucket
+from horovod_aq.torch.node_exchange import build_wire
 from horovod_aq.torch.uneven import JoinedStep, log_joined
 from horovod_aq.torch.wire import Wire
 
@@ -163,10 +164,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the world
     def _aq_world_now(self) -> World:
         """This rank's place in the world as Horovod sees it now (``packed.world``)."""
-        ps = self.process_set
-        inside = bool(ps.included())
-        return World(size=ps.size() if inside else 1, rank=ps.rank() if inside else 0,
-                     global_rank=hvd.rank())
+        return world_of(self.process_set)
 
     def _aq_build(self, world: World) -> None:
         """Derive everything that depends on the world (at construction, and again after an
@@ -181,12 +179,12 @@ class _PackedOptimizer(torch.optim.Optimizer):
             self._aq_handshaken = False
             self._aq_agreement.reset()   # one in flight belonged to the old world
         self._aq_world = world
-        self._aq_ranks = world.size
+        self._aq_ranks, self._aq_per_node = world.size, world.per_node
         tap = self._aq_wire.tap if self._aq_wire is not None else None
         #: The engine (None on the pass-through): the global rank keys the random stream.
-        self._aq_wire = None if self._aq_passthrough else Wire(
+        self._aq_wire = None if self._aq_passthrough else build_wire(
             self._aq, HorovodCollectives(self.process_set), stream_rank=world.global_rank,
-            deadline=self._aq_deadline)
+            deadline=self._aq_deadline, topology=world.topology)
         if self._aq_wire is not None:
             self._aq_wire.tap = tap
         settings = self._aq_settings
@@ -194,7 +192,8 @@ class _PackedOptimizer(torch.optim.Optimizer):
         #: builds the same model and settings, however many other optimizers a rank created.
         self._aq_prefix = names.exchange_key(self._aq.name, self._aq_trainable.tensors, (
             settings.exchange, settings.fusion_bytes, settings.small_tensor_threshold,
-            self._aq_ranks, self.backward_passes_per_step, self._aq_groups_key))
+            self._aq_ranks, self.backward_passes_per_step, self._aq_groups_key) + (
+            (f"{world.topology.nodes}x{world.per_node}",) if world.topology else ()))
         #: How the buckets' payloads are coded, per step (``wire=``; docs/protocol.md §5.5).
         self._aq_wire_setting = WireSetting(self._aq_wire_arg, name=self._aq_prefix,
                                             exchange=settings.exchange)
@@ -359,8 +358,9 @@ class _PackedOptimizer(torch.optim.Optimizer):
                 self._aq_joined.submit(bucket.name, bucket.buffer, self.process_set)
             else:
                 self._aq_wire.submit(bucket, bucket.buffer, bucket.present())
-        for other in self._aq_buckets:   # advance finished alltoalls (overlaps the backward)
-            if other.stage == "a2a" and self._aq_wire.ready(other):
+        for other in self._aq_buckets:   # advance finished collectives (overlaps the backward)
+            if other.stage not in ("idle", "joined", "failed") and self._aq_wire.advanceable(
+                    other):
                 try:
                     self._aq_wire.advance(other)
                 except Exception as exc:   # kept for synchronize: every bucket goes out first

@@ -67,7 +67,7 @@ from horovod_aq import codec
 from horovod_aq.codec.stream import StreamKey
 from horovod_aq.packed import plan as names
 from horovod_aq.packed.chunks import chunk_zero_spans
-from horovod_aq.packed.cost import chunk_numel
+from horovod_aq.packed.cost import chunk_numel, inner_mode
 from horovod_aq.packed.delimit import payload_sizes
 from horovod_aq.packed.marker import marker_for
 from horovod_aq.packed.params import contiguous_offsets, param_at
@@ -87,9 +87,11 @@ from horovod_aq.torch import compensated, entropy, kernels, stats
 #: What the wire times (``Wire.seconds``): encoding, decoding and averaging, waiting.
 TIMED = ("encode", "decode", "wait")
 #: What :attr:`Wire.sent` counts: bytes of this rank's first-phase payloads (all P chunk payloads
-#: in two-phase; ``packed.cost.payload_bytes_of``) and bytes it sent to other ranks (allgather:
-#: (P − 1)·size; two-phase: the P − 1 chunks for others plus (P − 1)·re-encoded size).
-SENT = ("payload_bytes", "bytes_sent")
+#: in two-phase; ``packed.cost.payload_bytes_of``), bytes it sent to other ranks (allgather:
+#: (P − 1)·size; two-phase: the P − 1 chunks for others plus (P − 1)·re-encoded size; the
+#: node-aware modes: their float32 stages too) and, of those, the node-aware stages' bytes to
+#: the ranks of its node (docs/protocol.md §5.7).
+SENT = ("payload_bytes", "bytes_sent", "node_bytes")
 #: What a rank waiting for a payload collective is doing (``ExchangeStalledError``).
 EXCHANGING = "waiting for the gradient exchange"
 
@@ -164,10 +166,12 @@ class Collectives(Protocol):
         by rank, and ``delimit(concatenation, P)`` gives them from the bytes (for a collective
         that delivers only the concatenation; one that exchanges sizes need not call it)."""
 
-    def alltoall(self, payloads: list[torch.Tensor], name: str, *,
-                 variable: bool = False) -> Pending:
+    def alltoall(self, payloads: list[torch.Tensor], name: str, *, variable: bool = False,
+                 received: Sequence[int] | None = None) -> Pending:
         """Send ``payloads[r]`` to rank r; ``wait()`` gives the :class:`Received` payloads.
-        ``variable``: the sizes may differ by rank and destination (the same on every rank)."""
+        ``variable``: the sizes may differ by rank and destination and are not known ahead;
+        ``received``: the sizes rank r sends this one, known ahead (None and not
+        ``variable``: every payload has one size)."""
 
 
 class Bucket:
@@ -175,14 +179,16 @@ class Bucket:
 
     __slots__ = (
         # what it is (fixed when planned)
-        "plan", "names", "numels", "offsets", "masked", "coding",
+        "plan", "names", "numels", "offsets", "masked", "coding", "key",
         # its exchange in the current step
         "stage", "pending", "table", "result", "skipped", "gone", "step",
     )
 
     def __init__(self, plan: BucketPlan, names: Sequence[str], numels: Sequence[int], *,
-                 masked: bool = False, coding: str = "fixed") -> None:
+                 masked: bool = False, coding: str = "fixed", key: str | None = None) -> None:
         self.plan = plan
+        #: The error-feedback memory's key (the bucket's name unless given).
+        self.key = plan.name if key is None else key
         self.names, self.numels = tuple(names), tuple(int(n) for n in numels)
         #: Where each parameter starts in the bucket (back to back, in bucket order).
         self.offsets = tuple(contiguous_offsets(self.numels))
@@ -238,13 +244,17 @@ class Wire:
         comm: the payload collectives of the process group.
         stream_rank: the global rank, which keys the random stream (docs/format.md §6).
         deadline: how long one wait may last (``packed.waiting.Deadline``).
+
+    Buckets in the node-aware modes go through :attr:`node`, the
+    :class:`~horovod_aq.torch.node_exchange.NodeExchange` that
+    :func:`~horovod_aq.torch.node_exchange.build_wire` attaches on a topology.
     """
 
     __slots__ = (
         # what it sends with
         "compression", "q", "memory",
         # where
-        "comm", "ranks", "rank", "stream_rank", "deadline",
+        "comm", "ranks", "rank", "stream_rank", "deadline", "node",
         # what it tells
         "tap", "seconds", "sent",
     )
@@ -264,17 +274,37 @@ class Wire:
         self.seconds = dict.fromkeys(TIMED, 0.0)
         #: Bytes this rank encoded and sent since :meth:`take_sent` (:data:`SENT`).
         self.sent = dict.fromkeys(SENT, 0)
+        #: The node-aware stages (``node_exchange.NodeExchange``; None without a topology).
+        self.node: Any = None
+
+    @property
+    def per_node(self) -> int:
+        """Ranks per node of the topology (1: none): the node-aware modes need more."""
+        return 1 if self.node is None else self.node.topology.per_node
 
     # ------------------------------------------------------------------ what it tells
     def take_seconds(self) -> dict[str, float]:
-        """The seconds of :attr:`seconds` since the last call, then zero."""
-        out, self.seconds = self.seconds, dict.fromkeys(TIMED, 0.0)
+        """The seconds of :attr:`seconds` since the last call, then zero (in place: the
+        node-aware exchange's inner wire adds to the same counts)."""
+        out = dict(self.seconds)
+        self.seconds.update(dict.fromkeys(TIMED, 0.0))
         return out
 
     def take_sent(self) -> dict[str, int]:
-        """The byte counts of :attr:`sent` since the last call, then zero."""
-        out, self.sent = self.sent, dict.fromkeys(SENT, 0)
+        """The byte counts of :attr:`sent` since the last call, then zero (in place)."""
+        out = dict(self.sent)
+        self.sent.update(dict.fromkeys(SENT, 0))
         return out
+
+    def _node(self, bucket: Bucket) -> Any:
+        """The node-aware stages for a bucket in a node-aware mode, else None."""
+        if inner_mode(bucket.mode) is None:
+            return None
+        if self.node is None:
+            raise ValueError(f"bucket {bucket.name} is in mode {bucket.mode!r}, which needs a "
+                             "topology: declare it (HOROVOD_AQ_TOPOLOGY=MxL, docs/protocol.md "
+                             "§5.7) or use a flat mode")
+        return self.node
 
     def _count(self, payload_bytes: int, to_others: int) -> None:
         """Count bytes leaving this rank (``packed.send.sent_bytes``; presence masks excluded,
@@ -287,11 +317,14 @@ class Wire:
                present: Sequence[bool] | None = None) -> None:
         """Send ``raw`` (the bucket's float32 gradient, flat): payloads, or markers (stage 1).
         ``present``: which parameters had a gradient on this rank (masked buckets)."""
+        node = self._node(bucket)
+        if node is not None:
+            return node.submit(bucket, raw, present)
         q, P = self.q, self.ranks
         bucket.table, bucket.step = q.table, q.step
         fused = compensated.fusable(self, raw)   # error feedback fused into the encoder
         steps = SendSteps(compensate=lambda g: g if self.memory is None else
-                          self.memory.compensate(bucket.name, g),
+                          self.memory.compensate(bucket.key, g),
                           first_bad=self._first_bad, record=self._record,
                           parts=lambda x: self.parts(bucket, x),
                           encode=lambda part, k: self._encode(bucket, part, k),
@@ -303,7 +336,7 @@ class Wire:
             lambda g, sent: self._update_memory(bucket, g, sent))
         payloads = send_bucket(raw, steps, update)
         self._count(*sent_bytes(bucket.mode, [p.numel() for p in payloads], self.rank, P))
-        mask = self._mask(bucket, present, raw.device)
+        mask = self.presence_mask(bucket, present, raw.device)
         if mask is not None:
             payloads = [torch.cat([p, mask]) for p in payloads]
         if bucket.mode == "allgather":
@@ -331,7 +364,7 @@ class Wire:
                        sent: list[torch.Tensor]) -> None:
         """h ← β·h + (g − g̃), g̃ the decode of this rank's own payloads."""
         decode = entropy.decode if bucket.variable else kernels.decode
-        self.memory.update(bucket.name, raw, sent_values(
+        self.memory.update(bucket.key, raw, sent_values(
             sent, lambda p: decode(p, bucket.table), torch.cat, bucket.numel))
 
     def _first_bad(self, raw: torch.Tensor, x: torch.Tensor) -> int | None:
@@ -387,8 +420,10 @@ class Wire:
         return [one] * spec.copies
 
     @staticmethod
-    def _mask(bucket: Bucket, present: Sequence[bool] | None,
-              device: torch.device) -> torch.Tensor | None:
+    def presence_mask(bucket: Bucket, present: Sequence[bool] | None,
+                      device: torch.device) -> torch.Tensor | None:
+        """The bucket's presence mask (one bit per parameter, ``np.packbits`` order; all set
+        for ``present`` None), None for an unmasked bucket."""
         if not bucket.masked:
             return None
         bits = np.ones(len(bucket.names), dtype=bool) if present is None else np.asarray(
@@ -426,10 +461,33 @@ class Wire:
         """Whether the bucket's collective in flight has completed (never blocks)."""
         return bucket.pending is not None and bucket.pending.done()
 
+    def advances(self, bucket: Bucket) -> bool:
+        """Whether :meth:`advance` has a stage still to run for the bucket (the DDP hook calls
+        it once per later bucket, in order, while this holds)."""
+        if self._node(bucket) is not None:
+            return bucket.stage in ("rs", "cross")
+        return bucket.stage == "a2a"
+
+    def memory_key(self, bucket: Bucket) -> str:
+        """The error-feedback memory's key for the bucket in its current mode."""
+        node = self._node(bucket)
+        return bucket.key if node is None else node.memory_key(bucket)
+
+    def advanceable(self, bucket: Bucket) -> bool:
+        """Whether :meth:`advance` has work for the bucket that needs no waiting (a two-phase
+        alltoall that completed; a node-aware stage whose collective completed)."""
+        node = self._node(bucket)
+        if node is not None:
+            return node.advanceable(bucket)
+        return bucket.stage == "a2a" and self.ready(bucket)
+
     def advance(self, bucket: Bucket) -> None:
         """Two-phase stage 2: wait for the alltoall, decide on the received chunks, decode and
         average chunk r, re-encode it (part P) and start the allgather of the averaged chunks.
-        Does nothing in any other stage."""
+        Does nothing in any other stage. (Node-aware modes: their next stage.)"""
+        node = self._node(bucket)
+        if node is not None:
+            return node.advance(bucket)
         if bucket.stage != "a2a":
             return
         q, P = self.q, self.ranks
@@ -494,6 +552,9 @@ class Wire:
     def finish(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's averaged float32 gradient: advances and waits as needed, raises what a
         callback kept. Idempotent once done."""
+        node = self._node(bucket)
+        if node is not None:
+            return node.finish(bucket)
         self.advance(bucket)
         if bucket.pending is not None:   # also when a callback finished: it may have raised
             self._wait(bucket, names.allgather_name(bucket.name))
