@@ -40,6 +40,9 @@ CAP_MB = 0.02                # DDP bucket cap: the rebuilt layout has three buck
 BUCKET = 64                  # quantization bucket
 SEED = 7
 LAUNCH_TIMEOUT_S = 420
+#: The 4-rank launch declares 2 nodes of 2 (docs/protocol.md §5.7): its node-aware checks use
+#: the topology; the others force flat modes, which it leaves alone.
+TOPOLOGY = {4: "2x2"}
 RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1"}
 
@@ -51,10 +54,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, checks: list, outdir: str) -> None:
+def _rank_main(rank: int, world: int, port: int, checks: list, outdir: str,
+               env: dict) -> None:
     """Inside a spawned rank: join the Gloo group, run every check, pickle the outcomes."""
     os.environ.update(RANK_ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(world))
+                      RANK=str(rank), WORLD_SIZE=str(world), **env)
     import torch
     import torch.distributed as dist
 
@@ -85,7 +89,8 @@ def launch(checks: list, world: int) -> dict:
     saved = {k: os.environ.get(k) for k in RANK_ENV}
     os.environ.update(RANK_ENV)
     try:
-        ctx = mp.start_processes(_rank_main, args=(world, _free_port(), checks, outdir),
+        env = {"HOROVOD_AQ_TOPOLOGY": TOPOLOGY[world]} if world in TOPOLOGY else {}
+        ctx = mp.start_processes(_rank_main, args=(world, _free_port(), checks, outdir, env),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         try:
@@ -519,7 +524,10 @@ CHECKS = {
         ("resume", {"exchange": "two_phase", "method": "dqsgd", "target_bits": 3,
                     "max_bits": 4, "window": 3, "levels": "alq", "schedule": "0,4,0"}),
         ("raise_nonfinite", {"exchange": "two_phase"}),
-        ("uneven_join", {"steps": (7, 3, 5, 4), "exchange": "two_phase"})],
+        ("uneven_join", {"steps": (7, 3, 5, 4), "exchange": "two_phase"}),
+        ("quantized_training[node]", {"exchange": "node_two_phase", "steps": 20,
+                                      "error_feedback": True}),
+        ("raise_nonfinite[node]", {"exchange": "node_allgather", "wire": "entropy"})],
 }
 
 
@@ -700,7 +708,18 @@ def test_nonfinite_raises_on_every_rank(results):
         assert all(o[0] == "error" and o[1] == "NonFiniteGradientError" for o in outcomes), (
             check, outcomes)
         assert len({o[2] for o in outcomes}) == 1
-        assert "on rank 1" in outcomes[0][2] and "'2.weight'" in outcomes[0][2]
+        # node-aware: the marker comes from node 0's average (ranks 0 and 1)
+        who = "on rank 0–1 (node 0" if check.endswith("[node]") else "on rank 1"
+        assert who in outcomes[0][2] and "'2.weight'" in outcomes[0][2], outcomes[0][2]
+
+
+@pytest.mark.reads("quantized_training[node]")
+def test_the_node_aware_hook_trains_with_each_ranks_shard_memory(results):
+    ranks = _get(results, "quantized_training[node]")
+    losses = ranks[0]["losses"]
+    assert np.mean(losses[-5:]) < 0.85 * np.mean(losses[:5]), losses
+    for rank, r in enumerate(ranks):   # the memory of this rank's shard of each unit
+        assert r["memory_keys"] == sorted(f"{u}.2x2.s{rank % 2}" for u in r["units"])
 
 
 @pytest.mark.reads("oracle[entropy]", "oracle[entropy_two_phase]", "oracle[two_phase]")

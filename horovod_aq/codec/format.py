@@ -145,11 +145,12 @@ assert HEADER_SIZE == 32 and HEADER_SIZE % NORM_BYTES == 0  # HEADER_FIELDS: tes
 
 
 class NonFiniteGradientError(ValueError):
-    """A rank's gradient had NaN or Inf values (``first`` = first bad element, if known)."""
+    """A rank's gradient had NaN or Inf values (``first`` = first bad element and ``rank`` = the
+    row of the collective that flagged it, where known)."""
 
-    def __init__(self, message: str, first: int | None = None) -> None:
+    def __init__(self, message: str, first: int | None = None, rank: int | None = None) -> None:
         super().__init__(message)
-        self.first = first
+        self.first, self.rank = first, rank
 
 
 class PayloadError(ValueError):

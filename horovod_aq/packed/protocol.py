@@ -177,9 +177,10 @@ def nonfinite_pieces(bucket: str) -> tuple[str, str, str]:
             f"(bucket {bucket}); {NONFINITE_REMEDY}")
 
 
-def nonfinite_message(rank: int, source: str | None, bucket: str) -> str:
+def nonfinite_message(rank: int | str, source: str | None, bucket: str) -> str:
     """Why every rank stops: ``rank`` sent non-finite markers, first for ``source`` (None: the
-    marker did not say which tensor, e.g. a two-phase chunk)."""
+    marker did not say which tensor, e.g. a two-phase chunk). ``rank`` may be words (the ranks
+    of a node, docs/protocol.md §5.7)."""
     before, middle, after = nonfinite_pieces(bucket)
     where = f"'{source}'" if source else "(one of the bucket's)"
     return f"{before} {rank} {middle} {where} {after}"

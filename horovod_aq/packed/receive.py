@@ -102,7 +102,8 @@ def receive_outcome(rows: Any, *, nonfinite: str, bucket: str, collective: str,
         return SKIP
     rank = bad[0]
     where = codec.parse_header(heads[rank][:codec.HEADER_SIZE]).first_nonfinite
-    raise codec.NonFiniteGradientError(nonfinite_message(rank, param_at(where), bucket), where)
+    raise codec.NonFiniteGradientError(nonfinite_message(rank, param_at(where), bucket), where,
+                                       rank)
 
 
 __all__ = ["OK", "POLICIES", "SKIP", "JoinedRankError", "check_joined", "flagged_rows",

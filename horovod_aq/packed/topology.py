@@ -87,7 +87,7 @@ def parse_shape(text: str) -> tuple[int, int] | None:
                          f"got {text!r}")
     nodes, per_node = int(found.group(1)), int(found.group(2))
     if nodes < 1 or per_node < 1:
-        raise ValueError(f"a topology has at least one node of one rank, got {text!r}")
+        raise ValueError(f"a topology 'MxL' has M >= 1 nodes of L >= 1 ranks, got {text!r}")
     return nodes, per_node
 
 

@@ -38,6 +38,7 @@ import torch
 from horovod_aq import codec
 from horovod_aq.packed.cost import inner_mode, shard_span
 from horovod_aq.packed.plan import BucketPlan, allgather_name, alltoall_name
+from horovod_aq.packed.protocol import nonfinite_message
 from horovod_aq.packed.topology import Topology
 from horovod_aq.packed.waiting import Deadline, wait_until
 from horovod_aq.torch.wire import EXCHANGING, Bucket, Collectives, Received, Wire
@@ -45,6 +46,9 @@ from horovod_aq.torch.wire import EXCHANGING, Bucket, Collectives, Received, Wir
 #: Stage C's status of a shard: exchanged, skipped (``nonfinite="skip"``), failed (non-finite
 #: with ``nonfinite="raise"``), failed (anything else).
 OK, SKIPPED, NONFINITE, FAILED = 0, 1, 2, 3
+#: Stage C's trailer before the presence bits: status (uint8, 3 bytes padding), the node whose
+#: marker stopped the shard (int32), the bucket element it names (int64; −1: none).
+TRAILER = np.dtype([("status", "u1"), ("pad", "u1", 3), ("node", "<i4"), ("element", "<i8")])
 
 
 def reduce_scatter_name(bucket: str) -> str:
@@ -329,15 +333,21 @@ class NodeExchange:
             result = inner.result
             if inner.skipped:
                 shard.status = SKIPPED
-        n = shard.span[1]
-        k = self._mask_bytes(bucket)
-        trailer = torch.zeros(_aligned(1 + k), dtype=torch.uint8)
-        trailer[0] = shard.status
+        n, k = shard.span[1], self._mask_bytes(bucket)
+        head = np.zeros(1, dtype=TRAILER)
+        head["status"], head["node"], head["element"] = shard.status, -1, -1
+        if shard.status == NONFINITE:
+            first = getattr(shard.error, "first", None)
+            head["node"] = getattr(shard.error, "rank", None) or 0
+            head["element"] = -1 if first is None else shard.span[0] + first
+        trailer = torch.zeros(_aligned(TRAILER.itemsize + k), dtype=torch.uint8)
+        trailer[:TRAILER.itemsize] = torch.from_numpy(head.view(np.uint8).copy())
         if k:   # the parameters this shard's exchange saw a gradient for (all: none gone)
             seen = np.ones(len(bucket.names), dtype=bool)
             if shard.status == OK:
                 seen[list(inner.gone)] = False
-            trailer[1:1 + bucket.mask_bytes] = torch.from_numpy(np.packbits(seen))
+            trailer[TRAILER.itemsize:TRAILER.itemsize + bucket.mask_bytes] = torch.from_numpy(
+                np.packbits(seen))
         values = result if shard.status == OK else torch.zeros(n, device=shard.device)
         payload = torch.cat([_bytes(values), trailer.to(values.device)])
         sizes = [4 * shard_span(bucket.numel, t.per_node, self.wire.q.bucket_size, j)[1]
@@ -356,33 +366,46 @@ class NodeExchange:
         t, q = self.topology, self.wire.q
         rows = self._wait(bucket, node_gather_name(bucket.name)).row_list()
         result = torch.empty(bucket.numel, dtype=torch.float32, device=rows[0].device)
-        statuses, gone_seen = [], None
+        heads, gone_seen = [], None
         for j, row in enumerate(rows):
             lo, n = shard_span(bucket.numel, t.per_node, q.bucket_size, j)
             result[lo:lo + n] = _floats(row, n)
             tail = row[4 * n:].cpu().numpy()
-            statuses.append(int(tail[0]))
+            heads.append(tail[:TRAILER.itemsize].view(TRAILER)[0])
             if bucket.mask_bytes:
-                bits = np.unpackbits(tail[1:1 + bucket.mask_bytes])[:len(bucket.names)]
-                seen = bits.astype(bool)   # global presence, or a node's (a subset)
+                bits = np.unpackbits(tail[TRAILER.itemsize:TRAILER.itemsize + bucket.mask_bytes])
+                seen = bits[:len(bucket.names)].astype(bool)   # the set's, or a node's (fewer)
                 gone_seen = seen if gone_seen is None else gone_seen | seen
         bucket.gone = [] if gone_seen is None else [i for i, s in enumerate(gone_seen) if not s]
+        statuses = [int(h["status"]) for h in heads]
         worst = max(statuses)
         if worst in (NONFINITE, FAILED):
             bucket.stage = "done"
-            error = self._shard(bucket).error
-            if error is not None:
-                raise error
-            j = statuses.index(worst)
-            kind = codec.NonFiniteGradientError if worst == NONFINITE else RuntimeError
-            raise kind(f"horovod_aq: bucket {bucket.name}: the exchange of its shard {j} "
-                       f"between nodes failed on local rank {j} of this node (its error names "
-                       f"the cause; docs/protocol.md §5.7)")
+            self._raise(bucket, worst, heads[statuses.index(worst)], statuses.index(worst))
         if worst == SKIPPED:
             result.fill_(float("nan"))
             bucket.skipped = True
         bucket.result, bucket.stage = result, "done"
         return result
+
+
+    def _raise(self, bucket: Bucket, status: int, head: Any, j: int) -> None:
+        """The same error on every rank of the job: a non-finite marker names the ranks of the
+        node it came from (their average carried it) and the parameter; another failure is
+        raised as it was where it happened, and named elsewhere."""
+        error = self._shard(bucket).error
+        if status == NONFINITE:
+            node, element = int(head["node"]), int(head["element"])
+            L = self.topology.per_node
+            ranks = f"{node * L}–{node * L + L - 1} (node {node}, whose average carried it)"
+            raise codec.NonFiniteGradientError(nonfinite_message(
+                ranks, bucket.param_at(None if element < 0 else element), bucket.name),
+                None if element < 0 else element)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"horovod_aq: bucket {bucket.name}: the exchange of its shard {j} "
+                           f"between nodes failed on local rank {j} of every node (that rank's "
+                           "error names the cause; docs/protocol.md §5.7)")
 
 
 def build_wire(compression: Any, comm: Collectives, *, stream_rank: int, deadline: Deadline,
