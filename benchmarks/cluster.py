@@ -84,6 +84,8 @@ MODES = {
     "two_phase": "defaults + exchange=\"two_phase\", wire=\"fixed\"",
     "allgather_entropy": "defaults + exchange=\"allgather\", wire=\"entropy\"",
     "two_phase_entropy": "defaults + exchange=\"two_phase\", wire=\"entropy\"",
+    "node_allgather": "defaults + exchange=\"node_allgather\", wire=\"fixed\"",
+    "node_two_phase": "defaults + exchange=\"node_two_phase\", wire=\"fixed\"",
     "plain_two_phase": "two_phase + error_feedback=False",
     "b8192_two_phase": "ALQ(bits=3, bucket_size=8192), error_feedback=False, two_phase, fixed",
 }
@@ -95,6 +97,8 @@ PACKED = {
     "two_phase": {"exchange": "two_phase", "wire": "fixed"},
     "allgather_entropy": {"exchange": "allgather", "wire": "entropy"},
     "two_phase_entropy": {"exchange": "two_phase", "wire": "entropy"},
+    "node_allgather": {"exchange": "node_allgather", "wire": "fixed"},
+    "node_two_phase": {"exchange": "node_two_phase", "wire": "fixed"},
     "plain_two_phase": {"exchange": "two_phase", "wire": "fixed", "error_feedback": False},
     "b8192_two_phase": {"exchange": "two_phase", "wire": "fixed", "error_feedback": False,
                         "bucket_size": 8192},
@@ -102,8 +106,12 @@ PACKED = {
 #: The modes a run measures unless --modes says otherwise.
 DEFAULT_MODES = ("nocomm", "hvd_fp32", "hvd_fp16", "defaults", "allgather", "two_phase",
                  "allgather_entropy", "two_phase_entropy")
-#: The fixed wires ``defaults`` (wire="auto") chooses from.
-FIXED_WIRES = ("allgather", "two_phase", "allgather_entropy", "two_phase_entropy")
+#: The fixed wires ``defaults`` (wire="auto") chooses from (the node-aware ones with several
+#: ranks per host: docs/protocol.md §5.7).
+FIXED_WIRES = ("allgather", "two_phase", "allgather_entropy", "two_phase_entropy",
+               "node_allgather", "node_two_phase")
+#: The node-aware modes, measured where several ranks share a host.
+NODE_MODES = ("node_allgather", "node_two_phase")
 #: Issue 36: "auto must not pick a loss": the defaults' median step within this factor of the
 #: fastest forced wire's in the same launch.
 AUTO_TOLERANCE = 1.05
@@ -122,7 +130,13 @@ TARGET_BYTES_FRACTION = 1 / 8
 #: speedup}.
 TARGET_SPEEDUP = {(4, 1, 100.0): {"hvd_fp32": 8.0, "hvd_fp16": 4.0},
                   (4, 1, 1000.0): {"hvd_fp32": 3.5},
-                  (2, 2, 1000.0): {"hvd_fp32": 3.0}}
+                  (2, 2, 1000.0): {"hvd_fp32": 3.0},
+                  (2, 2, 100.0): {"hvd_fp32": 10.0}}
+#: Issue 37's targets: (hosts, ranks per host, Mbit/s) → the least speedup of the faster
+#: node-aware mode over flat two-phase; and the bytes out of each host's interface at most
+#: NIC_TOLERANCE × the node-aware formula 2(M−1)/M·N·b/8 (b = bits + 32/B).
+TARGET_NODE_SPEEDUP = {(2, 2, 1000.0): 1.4, (2, 4, 1000.0): 2.0}
+NIC_TOLERANCE = 1.15
 
 
 # ============================================================================ worker (one rank)
@@ -274,14 +288,14 @@ def worker(cfg: dict) -> None:
                                "bytes_fp32": last.bytes_fp32,
                                "exchanges": dict(last.exchanges),
                                "table_version": last.table_version,
-                               "buckets": len(opt.buckets)}
+                               "buckets": len(opt.buckets),
+                               "nic_bytes": _nic_bytes(opt, size, hvd.local_size())}
             if mode == "defaults":
                 telemetry[mode]["auto"] = _auto_choices(opt.autowire.decision)
                 telemetry[mode]["auto"]["steps"] = decided_after["defaults"]
-        elif mode == "hvd_fp32":
-            telemetry[mode] = {"bytes_sent": bytes_sent("allreduce_fp32", n, 0, 1, size)}
-        elif mode == "hvd_fp16":
-            telemetry[mode] = {"bytes_sent": bytes_sent("allreduce_fp16", n, 0, 1, size)}
+        elif mode in ("hvd_fp32", "hvd_fp16"):   # a ring: one edge leaves each host
+            ring = bytes_sent(f"allreduce_{mode[4:]}", n, 0, 1, size)
+            telemetry[mode] = {"bytes_sent": ring, "nic_bytes": ring if size > 1 else 0}
         else:
             telemetry[mode] = {"bytes_sent": 0}
     mine = {"rank": rank, "local_rank": hvd.local_rank(), "hostname": socket.gethostname(),
@@ -294,6 +308,19 @@ def worker(cfg: dict) -> None:
     if rank == 0:
         Path(cfg["out"]).write_text(json.dumps({"ranks": everyone, "size": size}))
     hvd.shutdown()
+
+
+def _nic_bytes(opt, size: int, per_node: int) -> int:
+    """What the packed optimizer's buckets should send out of each host per step at its code
+    width (``packed.cost.nic_bytes``, fixed codes), its small tensors' ring allreduce too."""
+    from horovod_aq.packed.cost import bytes_sent, nic_bytes
+
+    comp = opt.compression
+    total = sum(nic_bytes(mode, numel, comp.code_bits, comp.bucket_size, size, per_node)
+                for _, numel, mode, _ in opt.buckets)
+    small = sum(p.numel() for group in opt.param_groups for p in group["params"]) - sum(
+        numel for _, numel, _, _ in opt.buckets)
+    return total + bytes_sent("allreduce_fp32", small, 0, 1, size)
 
 
 def _auto_choices(decision) -> dict:
@@ -430,14 +457,17 @@ def format_config(res: dict, cfg: dict, hosts: int, rate: float) -> tuple[str, l
         model_frac = (f"{model / fp32['model_bytes']:.3f}" if fp32 and model else "–")
         source = ("telemetry" if mode in PACKED else
                   "ring formula" if mode.startswith("hvd") else "–")
+        nic = m["telemetry"].get("nic_bytes")
         rows.append([MODES[mode], f"{m['median']:.3f}", f"{m['q1']:.3f}–{m['q3']:.3f}",
                      f"{m['samples_per_s']:.0f}", sp32, sp16, f"{m['cpu_mean']:.3f}",
                      f"{m['tx_mean'] / 1e6:.2f}", frac,
+                     f"{nic / 1e6:.2f}" if nic else "–",
                      f"{model / 1e6:.2f} ({source})" if model else "0", model_frac])
     table = report.markdown_table(
         ["mode", "median step (s)", "IQR (s)", "samples/s", "speedup vs fp32",
          "speedup vs fp16", "CPU s/step/rank", "measured MB out of each host/step",
-         "measured ÷ fp32", "expected MB/rank/step", "expected ÷ fp32"], rows)
+         "measured ÷ fp32", "expected MB out of each host/step", "expected MB/rank/step",
+         "expected ÷ fp32"], rows)
     auto = s.get("defaults", {}).get("telemetry", {}).get("auto")
     if auto is not None:
         table += "\n\n" + describe_auto(auto)
@@ -506,6 +536,23 @@ def check_targets(results: list[dict], cfg: dict) -> list[str]:
             lines.append(f"{mark} {shape}: the defaults (wire=\"auto\") take {ratio:.2f}× "
                          f"the step of the fastest forced wire ({ref}) (≤ {AUTO_TOLERANCE:g}×: "
                          f"auto must not pick a loss{note})")
+        node = [m for m in NODE_MODES if m in s]
+        if node and per_host > 1:
+            best = min(node, key=lambda m: s[m]["median"])
+            target = TARGET_NODE_SPEEDUP.get((hosts, per_host, rate))
+            if "two_phase" in s:
+                sp = s["two_phase"]["median"] / s[best]["median"]
+                mark = "ℹ️" if target is None else "✅" if sp >= target else "❌"
+                goal = "" if target is None else f" (target ≥ {target:g}×)"
+                lines.append(f"{mark} {shape}: {best} is {sp:.2f}× as fast as flat two_phase"
+                             f"{goal}")
+            formula = node_formula(res, cfg)
+            for m in node:
+                ratio = s[m]["tx_mean"] / formula
+                lines.append(f"{'✅' if ratio <= NIC_TOLERANCE else '❌'} {shape}: {m} sends "
+                             f"{s[m]['tx_mean'] / 1e6:.2f} MB out of each host per step, "
+                             f"{ratio:.3f}× the node-aware formula 2(M−1)/M·N·b/8 = "
+                             f"{formula / 1e6:.2f} MB (≤ {NIC_TOLERANCE:g}×)")
         if "hvd_fp32" in s and s["hvd_fp32"]["tx_mean"]:
             packed = [m for m in s if m in PACKED]
             best = min(packed, key=lambda m: s[m]["tx_mean"])
@@ -515,12 +562,22 @@ def check_targets(results: list[dict], cfg: dict) -> list[str]:
     return lines
 
 
+def node_formula(res: dict, cfg: dict) -> float:
+    """Issue 37's bytes out of each node per step for the node-aware exchange: 2(M−1)/M·N·b/8,
+    N every parameter, b = bits + 32/B (the default bucket B = 256's norms)."""
+    from horovod_aq.compressors.adaptive import DEFAULT_BUCKET_SIZE
+
+    hosts, n = res["hosts"], res["params"]
+    return 2 * (hosts - 1) / hosts * n * (cfg["bits"] + 32 / DEFAULT_BUCKET_SIZE) / 8
+
+
 def plot(results: list[dict], modes: list[str], path: Path) -> None:
     from horovod_aq.tools.plots import _pyplot
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    labels = [f"{r['hosts']} hosts\n{r['rate']:g} Mbit/s" for r in results]
+    labels = [f"{r['hosts']} hosts × {r.get('ranks_per_host', 1)}\n{r['rate']:g} Mbit/s"
+              for r in results]
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
         vals = [r["summary"][mode]["median"] for r in results]
@@ -554,8 +611,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rounds of interleaved modes, the first --warmup-rounds untimed")
     p.add_argument("--warmup-rounds", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="steps of each mode per round")
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help=f"comma list from {list(MODES)} (default {','.join(DEFAULT_MODES)})")
+    p.add_argument("--modes", default=None,
+                   help=f"comma list from {list(MODES)} (default {','.join(DEFAULT_MODES)}, "
+                        f"and {','.join(NODE_MODES)} with several ranks per host)")
     p.add_argument("--ranks-per-host", type=int, default=1,
                    help="ranks in every host's namespace (they share its shaped link)")
     p.add_argument("--bits", type=int, default=3)
@@ -587,6 +645,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.max_load = float("inf")
     args.hosts = [int(h) for h in str(args.hosts).split(",")]
     args.rates = [float(r) for r in str(args.rates).split(",")]
+    if args.modes is None:
+        args.modes = ",".join(DEFAULT_MODES + (NODE_MODES if args.ranks_per_host > 1 else ()))
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(args.modes) - set(MODES)
     if unknown:

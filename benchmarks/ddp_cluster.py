@@ -65,6 +65,8 @@ MODES = {
     "two_phase": "defaults + exchange=\"two_phase\", wire=\"fixed\"",
     "allgather_entropy": "defaults + exchange=\"allgather\", wire=\"entropy\"",
     "two_phase_entropy": "defaults + exchange=\"two_phase\", wire=\"entropy\"",
+    "node_allgather": "defaults + exchange=\"node_allgather\", wire=\"fixed\"",
+    "node_two_phase": "defaults + exchange=\"node_two_phase\", wire=\"fixed\"",
     "b8192_auto": "ALQ(bits=3, bucket_size=8192), error_feedback=False, wire=\"fixed\"",
 }
 #: The hook modes' arguments beyond ``ALQ(bits=...)`` (``bucket_size`` goes to the compressor).
@@ -74,11 +76,15 @@ HOOKED = {
     "two_phase": {"exchange": "two_phase", "wire": "fixed"},
     "allgather_entropy": {"exchange": "allgather", "wire": "entropy"},
     "two_phase_entropy": {"exchange": "two_phase", "wire": "entropy"},
+    "node_allgather": {"exchange": "node_allgather", "wire": "fixed"},
+    "node_two_phase": {"exchange": "node_two_phase", "wire": "fixed"},
     "b8192_auto": {"wire": "fixed", "error_feedback": False, "bucket_size": 8192},
 }
 #: The modes a run measures unless --modes says otherwise.
 DEFAULT_MODES = ("ddp_fp32", "ddp_fp16", "powersgd_r2", "powersgd_r4", "defaults", "allgather",
                  "two_phase", "allgather_entropy", "two_phase_entropy")
+#: The node-aware modes (docs/protocol.md §5.7), measured where several ranks share a host.
+NODE_MODES = ("node_allgather", "node_two_phase")
 #: Issue 36's targets for the defaults row: (hosts, ranks per host, Mbit/s) → least speedup
 #: over DDP's fp32 allreduce.
 TARGET_SPEEDUP = {(4, 1, 1000.0): 2.5, (4, 1, 100.0): 8.0}
@@ -331,8 +337,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--warmup-rounds", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help=f"comma list from {list(MODES)}")
+    p.add_argument("--modes", default=None,
+                   help=f"comma list from {list(MODES)} (default {','.join(DEFAULT_MODES)}, "
+                        f"and {','.join(NODE_MODES)} with several ranks per host)")
     p.add_argument("--ranks-per-host", type=int, default=1,
                    help="ranks in every host's namespace (they share its shaped link)")
     p.add_argument("--bits", type=int, default=3)
@@ -353,6 +360,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.max_load, args.timeout = float("inf"), 300
     args.hosts = [int(h) for h in str(args.hosts).split(",")]
     args.rates = [float(r) for r in str(args.rates).split(",")]
+    if args.modes is None:
+        args.modes = ",".join(DEFAULT_MODES + (NODE_MODES if args.ranks_per_host > 1 else ()))
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if set(args.modes) - set(MODES):
         p.error(f"unknown modes {sorted(set(args.modes) - set(MODES))}; choose from {list(MODES)}")
