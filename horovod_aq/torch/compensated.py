@@ -18,12 +18,12 @@ CUDA tensors, other dtypes and ``HOROVOD_AQ_KERNELS=ops`` keep the unfused steps
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from horovod_aq.packed.cost import chunk_numel
+from horovod_aq.packed.send import Fused
 from horovod_aq.torch import kernels
 
 __all__ = ["encode_compensated", "fusable", "part_spans"]
@@ -47,10 +47,9 @@ def part_spans(mode: str, numel: int, ranks: int, bucket_size: int) -> list[tupl
     return [(min(k * m, numel), min((k + 1) * m, numel), m) for k in range(ranks)]
 
 
-def encode_compensated(wire: Any, bucket: Any,
-                       raw: torch.Tensor) -> tuple[list[torch.Tensor], Callable[[], None]] | None:
-    """(payloads, install) for ``raw`` = g, or None when a bucket of x = g + α·h cannot travel
-    (module docstring)."""
+def encode_compensated(wire: Any, bucket: Any, raw: torch.Tensor) -> Fused | None:
+    """``send.Fused`` (payloads, install) for ``raw`` = g, or None when a bucket of
+    x = g + α·h cannot travel (module docstring)."""
     from horovod_aq.codec import fused_compensated  # numba, as kernels imports it: on first use
 
     q, memory = wire.q, wire.memory
@@ -84,5 +83,5 @@ def encode_compensated(wire: Any, bucket: Any,
     if wire.tap is not None:
         for part, x in enumerate(wire.parts(bucket, memory.compensate(bucket.name, g))):
             wire.tap(bucket, part, x, payloads[part])
-    return payloads, lambda: memory.install(bucket.name, out, g, finite=finite,
-                                            sum_of_squares=squares, recycle=True)
+    return Fused(payloads, lambda: memory.install(bucket.name, out, g, finite=finite,
+                                                  sum_of_squares=squares, recycle=True))
