@@ -71,7 +71,7 @@ from horovod_aq.packed.protocol import (
     step_record,
 )
 from horovod_aq.packed.receive import receive_outcome
-from horovod_aq.packed.send import reencode_part, sent_bytes, sent_values
+from horovod_aq.packed.send import reencode_part, sent_bytes
 from horovod_aq.packed.trainable import Trainable, agree_first, agreement_row
 from horovod_aq.packed.waiting import Deadline
 from horovod_aq.packed.waiting import stall_timeout_s as stall_timeout_of
@@ -79,6 +79,7 @@ from horovod_aq.telemetry import StepRecord, Telemetry
 from horovod_aq.tensorflow.agreement import Agreement
 from horovod_aq.tensorflow.checks import translate_error
 from horovod_aq.tensorflow.comm import comm_for
+from horovod_aq.tensorflow.compensated import MemoryUpdate, update_memory
 from horovod_aq.tensorflow.payloads import PayloadOps, Rows
 from horovod_aq.tensorflow.sources import dense_gradient, source_name, static_shape
 from horovod_aq.tensorflow.stall import arm_in_graph, disarm_in_graph, translate, watchdog
@@ -111,17 +112,6 @@ class _Plan:
 
 
 @dataclasses.dataclass
-class _Sent:
-    """What this rank sent of one bucket (ECQ-SGD's memory update decodes it)."""
-
-    memory: tf.Variable       # the bucket's error memory h
-    h: tf.Tensor              # h as read before compensating
-    raw: tf.Tensor            # the bucket's local gradient g (flat, float32)
-    payloads: list            # the payload(s) sent: 1 (allgather) or P chunks (two-phase)
-    numel: int                # elements per payload
-
-
-@dataclasses.dataclass
 class _Trace:
     """The tensors one traced exchange of a layout passes from stage to stage."""
 
@@ -133,7 +123,7 @@ class _Trace:
     splits: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)  # received (a2a)
     sent: list[tuple[tf.Tensor, tf.Tensor]] = dataclasses.field(default_factory=list)  # bytes
     small: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)   # by source
-    own: dict[int, _Sent] = dataclasses.field(default_factory=dict)         # ECQ, by bucket
+    own: dict[int, MemoryUpdate] = dataclasses.field(default_factory=dict)  # ECQ, by bucket
     chunk_avgs: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)  # stage 2a
     second: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)  # stage 2b output
     results: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)  # by source
@@ -483,28 +473,25 @@ class PackedExchange:
             return [tf.identity(o) for o in outs], tf.identity(skipped)
 
     def _submit_stage(self, t: _Trace) -> None:
-        """Stage 1: encode every bucket (``PayloadOps.send``: g + α·h with error feedback,
-        statistics recorded on what is quantized, markers for what cannot travel) and submit
-        its first collective, then the small tensors' allreduces."""
+        """Stage 1: encode every bucket (``PayloadOps.send_parts``; with error feedback
+        ``send_compensated``: x = g + α·h, its payloads and h' in one op; statistics recorded on
+        what is quantized, markers for what cannot travel) and submit its first collective,
+        then the small tensors' allreduces."""
         comp, P, ps, st = self.compression, self.ranks, self.process_set, self._state
-        ef = st.error_memory
         for b in t.plan.buckets:
             parts = [tf.reshape(tf.cast(t.tensors[m], tf.float32), [-1]) for m in b.members]
             raw = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
-            compensate = None
-            if ef is not None:
-                memory = st.memory_variable(b.name, b.numel)
-                h = memory.read_value()
-
-                def compensate(g: tf.Tensor, h: tf.Tensor = h) -> tf.Tensor:
-                    return ef.compensate_value(g, h)                # g + α·h
             slot = self._slot(b.numel, b.name)
-            sent = self._ops.send_parts(raw, b, mode=b.mode, compensate=compensate,
-                                        record=None if slot is None else slot.record)
+            record = None if slot is None else slot.record
+            if st.error_memory is not None:
+                memory = st.memory_variable(b.name, b.numel)
+                sent, fused = self._ops.send_compensated(raw, memory.read_value(), b,
+                                                         mode=b.mode, record=record)
+                t.own[b.index] = MemoryUpdate(memory, fused.memory, fused.finite)
+            else:
+                sent = self._ops.send_parts(raw, b, mode=b.mode, record=record)
             sizes = [tf.size(p, out_type=tf.int64) for p in sent]
             t.sent.append(sent_bytes(b.mode, sizes, ps.rank(), P))
-            numel = b.numel if b.mode == "allgather" else chunk_numel(b.numel, P,
-                                                                      comp.bucket_size)
             with tf.control_dependencies([t.agreed]):   # no collective before the agreement
                 if b.mode == "allgather":   # any first dimension per rank (entropy: delimited)
                     t.first[b.index] = hvd.allgather(sent[0], name=names.allgather_name(b.name),
@@ -518,8 +505,6 @@ class PackedExchange:
                     t.first[b.index] = hvd.alltoall(
                         tf.concat(sent, axis=0), name=names.alltoall_name(b.name),
                         ignore_name_scope=True, process_set=ps)
-            if ef is not None:
-                t.own[b.index] = _Sent(memory, h, raw, sent, numel)
         for i in t.plan.small:
             g = t.tensors[i]
             wire = tf.cast(g, tf.float16) if comp.fp16_wire else g
@@ -606,8 +591,9 @@ class PackedExchange:
         the outputs wait for all of it."""
         any_skipped = tf.reduce_any(tf.stack(t.skipped))
         side_effects = list(t.side_effects)
-        if t.own:
-            side_effects += self._update_memory(t.own, any_skipped, list(t.results.values()))
+        if t.own:   # ECQ-SGD: h ← h' after every check passed (docs/protocol.md §13)
+            side_effects += update_memory(self._state.error_memory, self._state.memory_resets,
+                                          t.own.values(), any_skipped, list(t.results.values()))
         if self._aggregate_sq is not None:
             decoded = t.decoded + [(t.small[i], tf.constant(False)) for i in t.plan.small]
             side_effects.append(self._aggregate_sq.assign_add(aggregate_sum_sq(decoded)))
@@ -621,37 +607,6 @@ class PackedExchange:
         with tf.control_dependencies([ended]):
             outs = [tf.identity(t.results[pos]) for pos in range(len(t.tensors))]
             return outs, tf.identity(any_skipped)
-
-    def _update_memory(self, own: dict[int, _Sent], any_skipped: tf.Tensor,
-                       after: list[tf.Tensor]) -> list[tf.Tensor]:
-        """ECQ-SGD: h ← β·h + (g − g̃) for every bucket of ``own``, g̃ = the decode of this
-        rank's own payload(s); runs after ``after`` (every check passed) and not at all when
-        a rank sent non-finite markers."""
-        st = self._state
-        ef, resets = st.error_memory, st.memory_resets
-        assert ef is not None and resets is not None
-        ops = []
-        with tf.control_dependencies(after):
-            for sent in own.values():
-                numel = int(sent.raw.shape.num_elements())
-
-                def commit(sent=sent, numel=numel) -> tf.Tensor:
-                    decoded = sent_values(                                # g̃
-                        sent.payloads, lambda p, m=sent.numel: self._ops.decode_own(p, m),
-                        lambda values: tf.concat(values, axis=0), numel)
-                    new = ef.updated_memory(sent.h, sent.raw, decoded)   # β·h + (g − g̃)
-                    deps = []
-                    if ef.reset_on_nonfinite:
-                        finite = tf.reduce_all(tf.math.is_finite(new))
-                        new = tf.where(finite, new, tf.zeros_like(new))
-                        deps.append(resets.assign_add(
-                            tf.cast(tf.logical_not(finite), tf.int64)))
-                    deps.append(sent.memory.assign(new))
-                    with tf.control_dependencies(deps):
-                        return tf.constant(True)
-
-                ops.append(tf.cond(any_skipped, lambda: tf.constant(False), commit))
-        return ops
 
     def _nonfinite_check(self, plan: _Plan, bucket: BucketPlan, rows: Rows,
                          raise_nonfinite: bool, collective: str) -> tuple[tf.Tensor, tf.Tensor]:
