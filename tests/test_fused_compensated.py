@@ -242,3 +242,23 @@ def test_the_oracle_is_the_unfused_error_memory_on_float32_torch_tensors():
         mem.update("b", torch.from_numpy(g), torch.from_numpy(codec.decode(payload, table)))
         assert bits_of(mem.memory["b"].numpy()) == bits_of(want.memory)
         h = want.memory
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+@pytest.mark.parametrize("norm", ["l2", "linf"])
+def test_the_graph_entry_point_takes_levels_and_header_as_variables_hold_them(norm, checksum):
+    # encode_compensated_with (the TensorFlow graph's host call): the table as float32 levels
+    # and 32 header bytes, the key as scalars, a two-phase chunk's padding: the oracle's bytes
+    table = LevelTable(uniform(3), version=4)
+    g, h = gradient(1000, seed=3), gradient(1000, seed=4, scale=0.1)
+    header = np.frombuffer(codec.make_header(1024, table, 64, norm), np.uint8)
+    got = fused_compensated.encode_compensated_with(
+        g, h, ALPHA, BETA, codec.float32_levels(table), header, bits=3, bucket_size=64,
+        norm=norm, key=KEY.scalars(), numel=1024, checksum=checksum)
+    want = oracle(g, h, table, 64, norm, numel=1024, checksum=checksum)
+    assert got.payload.tobytes() == want.payload.tobytes()
+    assert bits_of(got.memory) == bits_of(want.memory) and got.memory_finite
+    g[10] = np.nan
+    assert fused_compensated.encode_compensated_with(
+        g, h, ALPHA, BETA, codec.float32_levels(table), header, bits=3, bucket_size=64,
+        norm=norm, key=KEY.scalars(), numel=1024) is None

@@ -234,7 +234,7 @@ def _fused_step(log, ranks, mode, ef, table, name="b"):
         def install():
             log.append("install")
             mem.install(name, new, raw, finite=finite)
-        return [c.payload for c in sent], install
+        return send.Fused([c.payload for c in sent], install)
     return step
 
 

@@ -3,8 +3,9 @@
 One launch per controller runs every check (TF start-up costs seconds per rank); each pytest test
 asserts on one check's per-rank results. As in ``test_tf_packed``, the numpy codec is the oracle:
 the averaged gradients must be bitwise the numpy decode-and-average of the recorded payloads, and
-the error-feedback inputs and memory must follow ECQ-SGD's two rules computed with
-``codec.decode`` of what each rank sent (``test_torch_optimizer::test_ecq_on_the_packed_path``).
+the error-feedback payloads and memory must be bitwise ``codec.encode_compensated``'s of each
+rank's local gradient and memory, which is ECQ-SGD's two rules with ``codec.decode`` of what the
+rank sent (``test_torch_optimizer::test_ecq_on_the_packed_path``).
 """
 
 from __future__ import annotations
@@ -50,12 +51,6 @@ def _forward(tf, v, x, y):
     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, h @ v["w3"]))
 
 
-def _local(tf, v, x, y):
-    with tf.GradientTape() as tape:
-        loss = _forward(tf, v, x, y)
-    return [g.numpy() for g in tape.gradient(loss, list(v.values()))]
-
-
 def _same(a, b) -> bool:
     return all(np.array_equal(p, q) for p, q in zip(a, b))
 
@@ -67,13 +62,15 @@ def _ecq():
                           alpha=ALPHA, beta=BETA)
 
 
-def _traced_step(tf, hvd, comp, v, exchange="allgather", lr=0.0, **tape_kwargs):
-    """A tf.function train step (tape → packed exchange → SGD update when lr > 0)."""
+def _traced_step(tf, hvd, comp, v, exchange="allgather", lr=0.0, *, traced=True, local=False,
+                 **tape_kwargs):
+    """A tf.function train step (tape → packed exchange → SGD update when lr > 0); eager with
+    ``traced=False``. ``local``: it returns (averaged, local) gradients, the local ones from
+    the same tape (persistent), so they are bitwise what the exchange received."""
     holder = {}
 
-    @tf.function
     def train_step(x, y, scale):
-        with tf.GradientTape() as tape:
+        with tf.GradientTape(persistent=local) as tape:
             loss = scale * _forward(tf, v, x, y)
         t = _distributed_tape(tape, comp, exchange=exchange, fusion_bytes=FUSION_BYTES,
                               **tape_kwargs)
@@ -82,9 +79,9 @@ def _traced_step(tf, hvd, comp, v, exchange="allgather", lr=0.0, **tape_kwargs):
         if lr:
             for var, g in zip(v.values(), grads):
                 var.assign_sub(lr * g)
-        return grads
+        return (grads, tape.gradient(loss, list(v.values()))) if local else grads
 
-    return train_step, holder
+    return (tf.function(train_step) if traced else train_step), holder
 
 
 # ---------------------------------------------------------------- checks (inside the ranks)
@@ -161,25 +158,29 @@ def dqsgd_width_mismatch():
     return "no error"
 
 
-def ecq_in_function(exchange: str, steps: int = 3, comp=None):
-    """ECQ-SGD in a tf.function step (lr 0, so every step's local gradient is known): record
-    what was encoded, the local gradients, the telemetry and the gathered memory."""
+def ecq_in_function(exchange: str, steps: int = 3, comp=None, wire: str = "fixed",
+                    traced: bool = True):
+    """ECQ-SGD in a tf.function step (eager with ``traced=False``; lr 0): record what was
+    encoded, the local gradients the exchange received, the telemetry and the gathered
+    memory."""
     tf, hvd = init_tf()
     import horovod_aq.tensorflow as aqtf
     from horovod_aq.tensorflow import checkpoint
 
     v = _variables(tf)
     comp = comp if comp is not None else _ecq()
-    train_step, holder = _traced_step(tf, hvd, comp, v, exchange)
+    train_step, holder = _traced_step(tf, hvd, comp, v, exchange, traced=traced, local=True,
+                                      wire=wire)
     per_step, local, grads, ef_norms, tables = [], [], [], [], []
     with EncodeRecorder() as rec:
         for step in range(steps):
             n = len(rec.entries)
             x, y = _batch(tf, hvd.rank(), step)
             tables.append((comp.table.levels.copy(), comp.table.version))
-            grads.append([g.numpy() for g in train_step(x, y, tf.constant(1.0))])
+            averaged, own = train_step(x, y, tf.constant(1.0))
+            grads.append([g.numpy() for g in averaged])
             aqtf.refit(comp)
-            local.append(_local(tf, v, x, y))
+            local.append([g.numpy() for g in own])
             per_step.append(sorted(rec.entries[n:], key=lambda e: e[2]))
             ef_norms.append(holder["tape"].telemetry.last.extra.get("ef_memory_norm"))
     own = checkpoint.state_dict(comp)["memory"]         # no collective: this rank's memory
@@ -195,7 +196,7 @@ def ecq_in_function(exchange: str, steps: int = 3, comp=None):
                           if k != hvd.rank()],
             "tables": tables, "memory_by_rank": state["memory_by_rank"], "world": state["world"],
             "memory_keys": sorted(comp.memory), "ef_norms": ef_norms,
-            "traces": train_step.experimental_get_tracing_count()}
+            "traces": train_step.experimental_get_tracing_count() if traced else 1}
 
 
 def ecq_allgather():
@@ -204,6 +205,11 @@ def ecq_allgather():
 
 def ecq_two_phase():
     return ecq_in_function("two_phase")
+
+
+def ecq_eager_entropy():
+    """Eager tapes on the entropy-coded wire, two-phase (the host encoder's codes)."""
+    return ecq_in_function("two_phase", wire="entropy", traced=False)
 
 
 def ecq_dqsgd():
@@ -351,11 +357,12 @@ def keras_fit_ecq():
 #: Each check runs under one controller, so that both launches together stay within about 90 s
 #: on two cores: under Gloo the fixed-family DQSGD run (allgather, 20 steps: the width must
 #: change), the refusal of another width, ECQ on allgather, its checkpoint and its non-finite
-#: skip, model.fit, and error_feedback="auto" at 2 bits; under
+#: skip, model.fit, error_feedback="auto" at 2 bits and ECQ eagerly on the entropy-coded
+#: two-phase wire; under
 #: MPI the adaptive DQSGD two-phase run (variable-size alltoall and allgather, refits of every
 #: width over mpi4py), ECQ on the two-phase exchange and ECQ around DQSGD.
 CHECKS = {"gloo": [dqsgd_allgather, dqsgd_width_mismatch, ecq_allgather, ecq_checkpoint,
-                   ecq_nonfinite_skip, keras_fit_ecq, ecq_auto],
+                   ecq_nonfinite_skip, keras_fit_ecq, ecq_auto, ecq_eager_entropy],
           "mpi": [dqsgd_alq_two_phase, ecq_two_phase, ecq_dqsgd]}
 
 
@@ -422,9 +429,13 @@ def test_dqsgd_other_width_is_refused(launch):
         assert "payload size differs" in message and "DQSGD bit width" in message, message
 
 
-@pytest.mark.parametrize("check", [ecq_allgather, ecq_two_phase, ecq_dqsgd],
-                         ids=["allgather", "two_phase", "around-dqsgd"])
+@pytest.mark.parametrize("check", [ecq_allgather, ecq_two_phase, ecq_dqsgd, ecq_eager_entropy],
+                         ids=["allgather", "two_phase", "around-dqsgd", "eager-entropy-two_phase"])
 def test_ecq_in_function_follows_the_rules(launch, check):
+    """Payloads and memory bitwise the oracle's ``codec.encode_compensated`` of the local
+    gradient g and the memory h (x = g + α·h, h' = β·h + (g − g̃)), step after step: the
+    compensated encode reads g̃ off its own codes (docs/dynamic.md §2.6)."""
+    from horovod_aq.codec.stream import stream_uniforms
     from horovod_aq.levels import LevelTable
 
     results = _get(launch, check)
@@ -441,19 +452,33 @@ def test_ecq_in_function_follows_the_rules(launch, check):
             np.testing.assert_array_equal(r["memory_by_rank"][rank][name], r["own"][name])
         hs = {}
         for name, numel, mode, params in r["buckets"]:
-            assert mode == ("two_phase" if check is ecq_two_phase else "allgather")
+            two_phase = check in (ecq_two_phase, ecq_eager_entropy)
+            assert mode == ("two_phase" if two_phase else "allgather")
             h = np.zeros(numel, np.float32)
             for step in range(len(r["entries"])):
                 sent = [e for e in r["entries"][step] if e[0] == name and e[1] == "submit"]
                 assert len(sent) == (1 if mode == "allgather" else 2)
                 inp = np.concatenate([e[4] for e in sent])[:numel]
                 g = np.concatenate([r["local"][step][n].ravel() for n in params])
-                np.testing.assert_allclose(inp, g + np.float32(ALPHA) * h, rtol=0, atol=1e-6)
+                assert inp.tobytes() == (g + np.float32(ALPHA) * h).tobytes()   # x = g + α·h
+                m = sent[0][4].size                  # coordinates per payload (chunk: padded)
+                new = []
+                for k, e in enumerate(sent):
+                    lo, hi = min(k * m, numel), min((k + 1) * m, numel)
+                    want = codec.encode_compensated(
+                        g[lo:hi], h[lo:hi], ALPHA, BETA, tables[step], bucket_size=BUCKET,
+                        numel=m, uniforms=stream_uniforms(m, tuple(int(c) for c in e[3])),
+                        coding="entropy" if check is ecq_eager_entropy else "fixed")
+                    assert want.payload.tobytes() == e[5].tobytes()
+                    new.append(want.memory)
                 decoded = np.concatenate([codec.decode(e[5], tables[step])
                                           for e in sent])[:numel]
-                h = np.float32(BETA) * h + (g - decoded)
+                rule = np.float32(BETA) * h + (g - decoded)             # β·h + (g − g̃)
+                h = np.concatenate(new)
+                assert h.tobytes() == rule.tobytes()
             hs[name] = h
-            np.testing.assert_allclose(r["memory_by_rank"][rank][name], h, rtol=0, atol=1e-6)
+            kept = np.asarray(r["memory_by_rank"][rank][name])
+            assert kept.dtype == np.float32 and kept.tobytes() == h.tobytes()   # bitwise
         for step, norm in enumerate(r["ef_norms"]):
             assert norm is not None and norm > 0
         final = np.sqrt(sum(np.sum(h.astype(np.float64) ** 2) for h in hs.values()))
@@ -462,7 +487,8 @@ def test_ecq_in_function_follows_the_rules(launch, check):
         for name in results[0]["memory_keys"]:
             np.testing.assert_array_equal(results[0]["memory_by_rank"][other][name],
                                           results[1]["memory_by_rank"][other][name])
-    oracle = _assert_two_phase_oracle if check is ecq_two_phase else _assert_allgather_oracle
+    oracle = (_assert_two_phase_oracle if check in (ecq_two_phase, ecq_eager_entropy)
+              else _assert_allgather_oracle)
     for step in range(len(results[0]["entries"])):  # the exchange itself is unchanged
         oracle([_step_view(r, step) for r in results], tables[step])
 

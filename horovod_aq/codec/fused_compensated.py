@@ -11,6 +11,10 @@ half-way leaves h as it was, and the caller installs h' only after a successful 
 The entropy-coded wire (``coding="entropy"``, docs/format.md §12) quantizes with the same loop
 writing one code per byte, then codes them as ``fused_entropy.encode_entropy`` does: the same
 codes, so the same g̃ and h', and the oracle's payload bytes.
+
+``encode_compensated_with`` is the fixed wire's entry point for traced graphs (the TensorFlow
+exchange, ``horovod_aq.tensorflow.compensated``): the table as float32 levels and header bytes
+read from graph variables, as ``fused.encode_with`` takes them.
 """
 
 from __future__ import annotations
@@ -46,10 +50,15 @@ from horovod_aq.codec.fused_fixed import (
 )
 from horovod_aq.codec.fused_kernels import _LITTLE
 from horovod_aq.codec.reference import Compensated
-from horovod_aq.codec.stream import MAX_STREAM_NUMEL, StreamKey, stream_uniforms
+from horovod_aq.codec.stream import (
+    MAX_STREAM_NUMEL,
+    StreamKey,
+    key_scalars,
+    stream_uniforms,
+)
 from horovod_aq.levels.table import LevelTable
 
-__all__ = ["encode_compensated", "try_encode_compensated"]
+__all__ = ["encode_compensated", "encode_compensated_with", "try_encode_compensated"]
 
 CODINGS = ("fixed", "entropy")
 
@@ -124,37 +133,81 @@ def try_encode_compensated(g: Any, h: Any, alpha: float, beta: float,
     if n == 0:
         payload = np.frombuffer(make_header(0, table, bucket_size, norm), np.uint8).copy()
         return Compensated(seal_checksum(payload) if checksum else payload, out, True, 0.0)
-    bits = table.bits
+    found = _run_kernel(gf, None if h is None else hf, alpha, beta, levels, table.bits, n,
+                        bucket_size, norm, key.scalars(), out, coding)
+    if found is None:
+        return None
+    body, norms, finite, squares = found
+    if coding == "entropy":
+        payload = payload_of_codes(body, norms, table, bucket_size, norm, checksum=checksum,
+                                   fixed=lambda: _fixed_payload(body, norms, table,
+                                                                bucket_size, norm, checksum))
+        return Compensated(payload, out, finite, squares)
+    body[:HEADER_SIZE] = np.frombuffer(make_header(n, table, bucket_size, norm), np.uint8)
+    return Compensated(seal_checksum(body) if checksum else body, out, finite, squares)
+
+
+def encode_compensated_with(g: Any, h: Any, alpha: float, beta: float, levels_f32: Any,
+                            header_u8: Any, *, bits: int, bucket_size: int, norm: str,
+                            key: Any, numel: int | None = None, checksum: bool = False,
+                            memory_out: np.ndarray | None = None) -> Compensated | None:
+    """:func:`try_encode_compensated` on the fixed wire with the table as a traced graph holds
+    it (as ``fused.encode_with`` for the plain encoder): float32 levels and the 32 header bytes
+    (TensorFlow variables, read per step), the key as ``StreamKey.scalars()`` (the step read
+    in-graph). g and h are float32 of one size (h is never None: a graph's memory starts at
+    zero); ``memory_out`` as :func:`try_encode_compensated`'s. None where a bucket of x cannot
+    travel. ``checksum``: seal the payload (the flag is set in the copied header bytes)."""
+    gf = flat_float32(g)
+    hf = np.ascontiguousarray(h, dtype=np.float32).reshape(-1)
+    n = gf.size if numel is None else int(numel)
+    if hf.size != gf.size or n < gf.size:
+        raise ValueError(f"g ({gf.size}), h ({hf.size}) and numel ({n}) do not fit together")
+    out = (np.empty(gf.size, np.float32) if memory_out is None
+           else check_out(memory_out, gf.size, np.float32, "memory"))
+    header = np.asarray(header_u8, dtype=np.uint8)
+    if n == 0:
+        payload = header.copy()
+        return Compensated(seal_checksum(payload) if checksum else payload, out, True, 0.0)
+    found = _run_kernel(gf, hf, alpha, beta, np.ascontiguousarray(levels_f32, np.float32),
+                        bits, n, bucket_size, norm, key_scalars(key), out, "fixed")
+    if found is None:
+        return None
+    body, _, finite, squares = found
+    body[:HEADER_SIZE] = header
+    return Compensated(seal_checksum(body) if checksum else body, out, finite, squares)
+
+
+def _run_kernel(g: np.ndarray, h: np.ndarray | None, alpha: float, beta: float,
+                levels: np.ndarray, bits: int, n: int, bucket_size: int, norm: str,
+                scalars: tuple, out: np.ndarray,
+                coding: str) -> tuple[np.ndarray, np.ndarray, bool, float] | None:
+    """The compiled pass over n > 0 coordinates (module docstring): (body, norms, whether h'
+    is finite, Σh'²), h' written into ``out``; or None where a bucket of x cannot travel. The
+    body is the fixed-width payload without its header bytes (``coding`` "fixed"), or the codes
+    one per byte ("entropy")."""
     nb = -(-n // bucket_size)
     codes_offset = HEADER_SIZE + NORM_BYTES * nb
     if coding == "fixed":
-        buf = np.empty(payload_size(n, bits, bucket_size), np.uint8)
-        section = buf[HEADER_SIZE:codes_offset]
+        body = np.empty(payload_size(n, bits, bucket_size), np.uint8)
+        section = body[HEADER_SIZE:codes_offset]
         aligned = _LITTLE and section.ctypes.data % NORM_BYTES == 0
         norms = section.view(np.float32) if aligned else np.empty(nb, np.float32)
-        codes = buf[codes_offset:]
+        codes = body[codes_offset:]
         kernel = _compensated_encoder(bits)
     else:
         norms = np.empty(nb, np.float32)
-        codes = np.empty(n, np.uint8)
+        body = codes = np.empty(n, np.uint8)
         kernel = _compensated_code_encoder(bits)
     interior, padded, cells = search_tables(levels, bits)
-    k0, k1, c1, c2, c3 = key.scalars()
-    bad, finite, squares = kernel(gf, hf, h is not None, np.float32(alpha), np.float32(beta), n,
-                         bucket_size, norm == "linf", interior, padded, cells, k0, k1, c1, c2, c3,
-                         norms, codes, out)
+    k0, k1, c1, c2, c3 = scalars
+    bad, finite, squares = kernel(g, g if h is None else h, h is not None, np.float32(alpha),
+                                  np.float32(beta), n, bucket_size, norm == "linf", interior,
+                                  padded, cells, k0, k1, c1, c2, c3, norms, codes, out)
     if bad >= 0:
         return None
-    if coding == "entropy":
-        payload = payload_of_codes(codes, norms, table, bucket_size, norm, checksum=checksum,
-                                   fixed=lambda: _fixed_payload(codes, norms, table,
-                                                                bucket_size, norm, checksum))
-        return Compensated(payload, out, bool(finite), float(squares))
-    if not aligned:
+    if coding == "fixed" and not aligned:
         section[:] = norms.astype("<f4").view(np.uint8)
-    buf[:HEADER_SIZE] = np.frombuffer(make_header(n, table, bucket_size, norm), np.uint8)
-    return Compensated(seal_checksum(buf) if checksum else buf, out, bool(finite),
-                       float(squares))
+    return body, norms, bool(finite), float(squares)
 
 
 def _fixed_payload(codes: np.ndarray, norms: np.ndarray, table: LevelTable, bucket_size: int,

@@ -19,12 +19,15 @@ For a bucket's raw local gradient g:
 PyTorch calls it eagerly and TensorFlow at trace time (its ``branch`` is a ``tf.cond``).
 
 **Fused** (``SendSteps.encode_compensated``, where the framework has a kernel for it: the torch
-wire on CPU tensors and, with Triton, CUDA tensors; docs/dynamic.md §2.6): steps 1, 4 and 5 run
-as one pass per part, which returns the payloads and h' without installing it, or nothing when a
-bucket of x cannot travel. Then step 2 is that outcome: only a failed pass computes x and the
-first bad element for the markers (the same element as above) and installs nothing. Step 3
-computes x only on the steps that record, and h' is installed last. What is sent and what h
-becomes are bitwise the unfused steps' (``codec.encode_compensated`` is the definition).
+wire on CPU tensors and, with Triton, CUDA tensors; the TensorFlow graph's encode with error
+feedback; docs/dynamic.md §2.6): steps 1, 4 and 5 run as one pass per part, which returns the
+payloads and h' without installing it (:class:`Fused`), or nothing when a bucket of x cannot
+travel. Then step 2 is that outcome: only a failed pass computes x and the first bad element
+for the markers (the same element as above) and installs nothing. Step 3 computes x only on the
+steps that record, and h' is installed last. In a graph the outcome is known only when the
+graph runs: the pass always returns a :class:`Fused` whose ``refused`` is a bool tensor, and
+``branch`` and ``when`` are the graph's conditionals. What is sent and what h becomes are
+bitwise the unfused steps' (``codec.encode_compensated`` is the definition).
 """
 
 from __future__ import annotations
@@ -43,6 +46,24 @@ def python_branch(bad: Any, on_bad: Callable[[], Payloads],
                   on_ok: Callable[[], Payloads]) -> Payloads:
     """Step 2's choice in eager code: ``bad`` is the first bad element or None."""
     return on_ok() if bad is None else on_bad()
+
+
+def python_when(flag: Any, action: Callable[[], Any]) -> None:
+    """Step 3's condition in eager code: ``action()`` if ``flag``."""
+    if flag:
+        action()
+
+
+@dataclass(frozen=True)
+class Fused:
+    """What the fused pass (steps 1, 4, 5) returns: every part's payload and the callable that
+    installs h'. ``refused``: whether a bucket of x could not travel, in the form ``branch``
+    takes — None eagerly (a refused bucket returns no :class:`Fused` at all); in a graph a bool
+    tensor, known when the graph runs (the payloads are then placeholders, never sent)."""
+
+    payloads: Payloads
+    install: Callable[[], Any]
+    refused: Any = None
 
 
 @dataclass(frozen=True)
@@ -65,12 +86,15 @@ class SendSteps:
     #: (bad, on_bad, on_ok) → the payloads; :func:`python_branch` eagerly, ``tf.cond`` in a graph.
     branch: Callable[[Any, Callable[[], Payloads], Callable[[], Payloads]], Payloads] = \
         python_branch
-    #: Steps 1, 4 and 5 in one pass (module docstring; eager only), or None: raw g →
-    #: (payloads, install) — every part's payload and the callable that installs h' — or None
-    #: when a bucket of x cannot travel (nothing installed).
-    encode_compensated: Callable[[Any], tuple[Payloads, Callable[[], Any]] | None] | None = None
-    #: () → whether ``record`` records this step (the fused path computes x for it only then).
-    recording: Callable[[], bool] = lambda: True
+    #: Steps 1, 4 and 5 in one pass (module docstring), or None: raw g → :class:`Fused`, or
+    #: None (eagerly) when a bucket of x cannot travel (nothing installed).
+    encode_compensated: Callable[[Any], Fused | None] | None = None
+    #: () → whether ``record`` records this step (the fused path computes x for it only then):
+    #: a bool, or in a graph whatever ``when`` takes (a bool tensor).
+    recording: Callable[[], Any] = lambda: True
+    #: (flag, action) → ``action()`` if ``flag``: :func:`python_when` eagerly, a ``tf.cond``
+    #: in a graph (the fused path's step 3).
+    when: Callable[[Any, Callable[[], Any]], Any] = python_when
 
 
 def send_bucket(raw: Any, steps: SendSteps,
@@ -96,18 +120,26 @@ def send_bucket(raw: Any, steps: SendSteps,
 
 def _send_fused(raw: Any, steps: SendSteps) -> Payloads:
     """Steps 1–5 with the fused pass (module docstring, "Fused")."""
+    assert steps.encode_compensated is not None
     fused = steps.encode_compensated(raw)          # 1, 4, 5: payloads and h', not installed
-    if fused is None:                              # 2. what cannot travel → markers
+
+    def markers() -> Payloads:                     # 2. what cannot travel → markers
         bad = steps.first_bad(raw, steps.compensate(raw))
         if bad is None:
             raise RuntimeError("horovod_aq: the fused error-feedback encoder refused a bucket "
                                "that the unfused check lets travel (please report this bug)")
         return steps.markers(bad)
-    payloads, install = fused
-    if steps.recording():
-        steps.record(steps.compensate(raw))        # 3. refit statistics of x
-    install()                                      # 5. h ← h' = β·h + (g − g̃)
-    return payloads
+
+    if fused is None:
+        return markers()
+
+    def payloads() -> Payloads:
+        steps.when(steps.recording(),              # 3. refit statistics of x
+                   lambda: steps.record(steps.compensate(raw)))
+        fused.install()                            # 5. h ← h' = β·h + (g − g̃)
+        return fused.payloads
+
+    return steps.branch(fused.refused, markers, payloads)
 
 
 def first_bad_element(raw: Any, x: Any, *, first_nonfinite: Callable[[Any], int | None],
@@ -157,5 +189,5 @@ def reencode_part(ranks: int) -> int:
     return ranks
 
 
-__all__ = ["SendSteps", "first_bad_element", "python_branch", "reencode_part", "send_bucket",
-           "sent_bytes", "sent_values"]
+__all__ = ["Fused", "SendSteps", "first_bad_element", "python_branch", "python_when",
+           "reencode_part", "send_bucket", "sent_bytes", "sent_values"]

@@ -37,7 +37,8 @@ oracle's checks on the host, which raise its ``PayloadError``), and a checksumme
 TensorFlow's CPU kernels flush float32 subnormals to zero. The level table is flushed the same
 way in every framework (``codec.float32_levels``), so this matters only for gradients holding
 values below 1.2e-38 (see the ``codec.reference`` docstring): there the bytes may differ from
-numpy's and PyTorch's, and the payload still decodes everywhere.
+numpy's and PyTorch's, and the payload still decodes everywhere. Inside a traced graph the
+compiled CPU kernel's host call runs on TensorFlow's threads, under the same flush.
 
 Importing this module imports TensorFlow; ``horovod_aq.codec`` never does.
 """

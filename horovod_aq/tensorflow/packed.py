@@ -22,7 +22,7 @@ the rows are delimited on receipt by their own headers (``packed.delimit``, no e
 collective), the alltoall sends its chunks with their splits, and the decoders of variable rows
 read them (:mod:`horovod_aq.tensorflow.entropy`). The codes are those of the fixed wire, so the
 averages are bitwise the same. Telemetry counts the bytes really sent (``packed.send.
-sent_bytes``, summed in-graph into counters).
+sent_bytes``, summed in-graph into the counters of :mod:`horovod_aq.tensorflow.counters`).
 
 The graph is built in stages, one method each (docs/protocol.md §13): (0) the per-step agreement
 on what trains (``packed.trainable``, docs/protocol.md §3.1: one small allgather and its check,
@@ -31,9 +31,14 @@ and the small allreduces; (2a) check and decode every two-phase chunk; (2b) re-e
 averaged chunks and allgather them; (3) check and decode everything; then the step end
 (error-feedback update, DQSGD aggregate, counters, refit when due). How the stages keep
 a failing check from leaving a collective submitted on some ranks only, how DQSGD switches
-widths and ECQ-SGD updates memory without retracing: docs/protocol.md §13. The payload ops are
-:mod:`horovod_aq.tensorflow.payloads`; local aggregation and local sources around the exchange
-are :mod:`horovod_aq.tensorflow.aggregation`.
+widths and ECQ-SGD updates memory without retracing: docs/protocol.md §13.
+
+Modules around this one: the layouts (bucket plans, content names, the agreement row)
+:mod:`horovod_aq.tensorflow.plans`; the payload ops :mod:`horovod_aq.tensorflow.payloads`; with
+error feedback the compensated encode and the memory update :mod:`horovod_aq.tensorflow.
+compensated`; the marker decision on received rows :mod:`horovod_aq.tensorflow.receive`; the
+in-graph counters :mod:`horovod_aq.tensorflow.counters`; local aggregation and local sources
+around the exchange :mod:`horovod_aq.tensorflow.aggregation`.
 """
 
 from __future__ import annotations
@@ -52,38 +57,35 @@ import tensorflow as tf
 from horovod_aq.packed import plan as names
 from horovod_aq.packed.chunks import chunk_zero_spans
 from horovod_aq.packed.cost import chunk_numel
-from horovod_aq.packed.params import param_at
 from horovod_aq.packed.plan import (
     DEFAULT_FUSION_BYTES,
     BucketPlan,
-    layout_digest,
     op_name,
-    plan_buckets,
 )
 from horovod_aq.packed.protocol import (
     ExchangeSettings,
-    Traffic,
     check_compression,
     check_wire,
     handshake,
     measured_traffic,
-    plan_traffic,
     step_record,
 )
-from horovod_aq.packed.receive import receive_outcome
-from horovod_aq.packed.send import reencode_part, sent_bytes, sent_values
-from horovod_aq.packed.trainable import Trainable, agree_first, agreement_row
+from horovod_aq.packed.send import reencode_part, sent_bytes
+from horovod_aq.packed.trainable import agree_first
 from horovod_aq.packed.waiting import Deadline
 from horovod_aq.packed.waiting import stall_timeout_s as stall_timeout_of
 from horovod_aq.telemetry import StepRecord, Telemetry
 from horovod_aq.tensorflow.agreement import Agreement
 from horovod_aq.tensorflow.checks import translate_error
 from horovod_aq.tensorflow.comm import comm_for
-from horovod_aq.tensorflow.payloads import PayloadOps, Rows
+from horovod_aq.tensorflow.compensated import MemoryUpdate, update_memory
+from horovod_aq.tensorflow.counters import Counters
+from horovod_aq.tensorflow.payloads import PayloadOps
+from horovod_aq.tensorflow.plans import Plan, make_plan, plan_traffic_at, small_numels
+from horovod_aq.tensorflow.receive import nonfinite_check
 from horovod_aq.tensorflow.sources import dense_gradient, source_name, static_shape
 from horovod_aq.tensorflow.stall import arm_in_graph, disarm_in_graph, translate, watchdog
 from horovod_aq.tensorflow.state import StatsSlot, TFState, state_variable, tf_state
-from horovod_aq.tensorflow.stats import aggregate_sum_sq
 from horovod_aq.tensorflow.step import end_step_in_graph
 
 __all__ = ["PackedExchange", "check_tf_wire", "exchange_for"]
@@ -92,40 +94,10 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class _Plan:
-    """One layout: the buckets of a list of sources and its static telemetry numbers."""
-
-    index: int
-    names: list[str]
-    shapes: list[tuple[int, ...]]
-    buckets: list[BucketPlan]
-    small: list[int]
-    layout: int
-    offsets: dict[int, int]          # source position -> offset inside its bucket
-    fns: dict = dataclasses.field(default_factory=dict)  # eager entries by "raise" flag
-    checked: bool = False
-    content: str = ""                # the layout's content key (bucket and allreduce names)
-    agreement: np.ndarray = dataclasses.field(   # this rank's row of the per-step agreement
-        default_factory=lambda: np.zeros(4, np.int64))
-    traffic: dict[int, Traffic] = dataclasses.field(default_factory=dict)  # by code width
-
-
-@dataclasses.dataclass
-class _Sent:
-    """What this rank sent of one bucket (ECQ-SGD's memory update decodes it)."""
-
-    memory: tf.Variable       # the bucket's error memory h
-    h: tf.Tensor              # h as read before compensating
-    raw: tf.Tensor            # the bucket's local gradient g (flat, float32)
-    payloads: list            # the payload(s) sent: 1 (allgather) or P chunks (two-phase)
-    numel: int                # elements per payload
-
-
-@dataclasses.dataclass
 class _Trace:
     """The tensors one traced exchange of a layout passes from stage to stage."""
 
-    plan: _Plan
+    plan: Plan
     tensors: list[tf.Tensor]
     raise_nonfinite: bool
     agreed: tf.Tensor                # the step's agreement passed: every collective waits for it
@@ -133,7 +105,7 @@ class _Trace:
     splits: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)  # received (a2a)
     sent: list[tuple[tf.Tensor, tf.Tensor]] = dataclasses.field(default_factory=list)  # bytes
     small: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)   # by source
-    own: dict[int, _Sent] = dataclasses.field(default_factory=dict)         # ECQ, by bucket
+    own: dict[int, MemoryUpdate] = dataclasses.field(default_factory=dict)  # ECQ, by bucket
     chunk_avgs: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)  # stage 2a
     second: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)  # stage 2b output
     results: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)  # by source
@@ -173,8 +145,8 @@ class PackedExchange:
         self.ranks = process_set.size() if self.included else 1
         self.active = self.included and self.ranks > 1
         self._state: TFState = tf_state(compression)
-        self._plans: dict[tuple, _Plan] = {}
-        self._plan_list: list[_Plan] = []
+        self._plans: dict[tuple, Plan] = {}
+        self._plan_list: list[Plan] = []
         #: The per-step agreement on what trains (``packed.trainable``): its allgather's name is
         #: fixed by the first layout this exchange plans (:meth:`_make_plan`), so no later
         #: layout renames it; whether a handshake passed (``agree_first``); and 1 while the
@@ -183,20 +155,9 @@ class PackedExchange:
         self._agreement = Agreement(process_set, self.ranks)
         self._handshaken = False
         self._agreed = state_variable(np.int64(0), name=f"aq_agreed_{self.label}")
-        self._calls = state_variable(np.int64(0), name=f"aq_calls_{self.label}")
-        self._plan_id = state_variable(np.int64(-1), name=f"aq_plan_{self.label}")
-        self._skipped = state_variable(np.int64(0), name=f"aq_skipped_{self.label}")
-        #: Bytes of this rank's first-phase payloads and bytes it sent to other ranks, summed
-        #: in-graph over the exchanges (``packed.send.sent_bytes``; the small tensors'
-        #: allreduces are added by ``measured_traffic``).
-        self._sent = state_variable(np.zeros(2, np.int64), name=f"aq_sent_{self.label}")
-        self._sent_seen = np.zeros(2, np.int64)
-        #: DQSGD: float64 Σ‖decoded aggregate‖² of the exchanges since the last refit.
-        self._aggregate_sq = (state_variable(np.float64(0.0),
-                                             name=f"aq_aggregate_sq_{self.label}")
-                              if self._state.dynamic else None)
-        self._calls_seen = 0
-        self._skipped_seen = 0
+        #: Exchanges run and skipped, the layout that ran, bytes sent, DQSGD's Σ‖aggregate‖²
+        #: (:mod:`horovod_aq.tensorflow.counters`).
+        self._counters = Counters(self.label, self._state.dynamic)
         self._slot_ids = itertools.count()
         self._ops = PayloadOps(compression, self._state, ranks=self.ranks, rank=hvd.rank(),
                                coding=coding)
@@ -299,7 +260,7 @@ class PackedExchange:
             result[i] = out
         return result, skipped
 
-    def _exchange_args(self, plan: _Plan, raise_nonfinite: bool, *tensors: tf.Tensor):
+    def _exchange_args(self, plan: Plan, raise_nonfinite: bool, *tensors: tf.Tensor):
         return self._exchange(plan, list(tensors), raise_nonfinite)
 
     def end_step(self) -> bool:
@@ -336,25 +297,16 @@ class PackedExchange:
     def take_aggregate(self) -> float:
         """DQSGD: Σ‖decoded aggregate‖² (float64) of the exchanges since the last call, then
         reset to 0 (eager). Bitwise the same on every rank. 0.0 for other compressors."""
-        if self._aggregate_sq is None:
-            return 0.0
-        value = float(self._aggregate_sq.numpy())
-        self._aggregate_sq.assign(0.0)
-        return value
+        return self._counters.take_aggregate()
 
     def take_calls(self) -> tuple[int, int]:
         """(exchanges run, of which skipped for non-finite input) since the last call (eager)."""
-        calls, skipped = int(self._calls.numpy()), int(self._skipped.numpy())
-        delta = (calls - self._calls_seen, skipped - self._skipped_seen)
-        self._calls_seen, self._skipped_seen = calls, skipped
-        return delta
+        return self._counters.take_calls()
 
     def take_sent(self) -> dict[str, int]:
         """``payload_bytes`` and ``bytes_sent`` (quantized buckets only) that this rank's
         exchanges really sent since the last call (eager; the in-graph counters)."""
-        total = self._sent.numpy().astype(np.int64)
-        delta, self._sent_seen = total - self._sent_seen, total
-        return {"payload_bytes": int(delta[0]), "bytes_sent": int(delta[1])}
+        return self._counters.take_sent()
 
     def record_step(self, step: int, refitted: bool, calls: int, skipped: int = 0,
                     bits: int | None = None) -> StepRecord:
@@ -362,73 +314,35 @@ class PackedExchange:
         ``bits`` is the code width the step used (default: the current table's). The byte
         counts are the measured ones (``protocol.measured_traffic``: the sizes really sent, so
         ``bits_per_coordinate`` is the entropy wire's real rate; docs/protocol.md §8)."""
-        plan_id = int(self._plan_id.numpy())
+        plan_id = int(self._counters.plan_id.numpy())
         plan = self._plan_list[plan_id] if 0 <= plan_id < len(self._plan_list) else None
         comp = self.compression
         if bits is None:
             bits = comp.code_bits
         sent = self.take_sent()
-        rec = step_record(comp, step=step, ranks=self.ranks, bits=bits,
-                          traffic=None if plan is None else self._traffic(plan, bits),
+        traffic = None if plan is None else plan_traffic_at(plan, comp, self.ranks, bits)
+        rec = step_record(comp, step=step, ranks=self.ranks, bits=bits, traffic=traffic,
                           calls=calls, refitted=refitted, skipped=skipped)
         if plan is not None:
-            measured = measured_traffic(self._traffic(plan, bits), sent,
-                                        self._small_numels(plan) * calls,
+            measured = measured_traffic(traffic, sent, small_numels(plan) * calls,
                                         fp16=comp.fp16_wire, ranks=self.ranks)
             rec.payload_bytes, rec.bytes_sent = measured["payload_bytes"], measured["bytes_sent"]
         self.telemetry.record(rec)
         return rec
 
-    @staticmethod
-    def _small_numels(plan: _Plan) -> list[int]:
-        return [int(np.prod(plan.shapes[i], dtype=np.int64)) for i in plan.small]
-
-    def _traffic(self, plan: _Plan, bits: int) -> Traffic:
-        """What one exchange of ``plan`` sends at code width ``bits``."""
-        if bits not in plan.traffic:
-            plan.traffic[bits] = plan_traffic(
-                plan.buckets, self._small_numels(plan), fp16=self.compression.fp16_wire,
-                bits=bits,
-                bucket_size=self.compression.bucket_size, ranks=self.ranks)
-        return plan.traffic[bits]
-
     # ------------------------------------------------------------------ layout
     def _make_plan(self, key: tuple, source_names: list[str],
-                   shapes: list[tuple[int, ...]]) -> _Plan:
-        comp, P, settings = self.compression, self.ranks, self.settings
-        numels = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-        order = list(range(len(source_names)))[::-1]
-        # content names (docs/protocol.md §6): the same on every rank that averages the same
-        # sources with the same settings, whatever else a rank created
-        content = names.exchange_key(comp.name, zip(source_names, numels),
-                                     (settings.exchange, settings.cap_numel,
-                                      settings.small_tensor_threshold, P))
-        plans, small = plan_buckets(
-            [source_names[i] for i in order], [numels[i] for i in order], [""] * len(order),
-            prefix=f"{content}.0", cap_numel=settings.cap_numel,
-            small_threshold=settings.small_tensor_threshold, quantizes=comp.quantizes,
-            exchange=settings.exchange, bits=comp.code_bits, bucket_size=comp.bucket_size,
-            ranks=P, network=settings.network)
-        # map back from the reversed order to source positions
-        buckets = [dataclasses.replace(b, members=tuple(order[m] for m in b.members))
-                   for b in plans]
-        small = [order[m] for m in small]
-        plan = _Plan(len(self._plan_list), source_names, shapes, buckets, small,
-                     layout_digest(buckets, [source_names[i] for i in small], self.coding), {})
-        plan.content = content
-        plan.agreement = agreement_row(Trainable.of(zip(source_names, numels)), plan.layout)
+                   shapes: list[tuple[int, ...]]) -> Plan:
+        """Plan a new layout of these sources (:func:`horovod_aq.tensorflow.plans.make_plan`)."""
+        plan = make_plan(self.compression, self.settings, ranks=self.ranks, coding=self.coding,
+                         index=len(self._plan_list), source_names=source_names, shapes=shapes)
         if self._agreement.name is None:   # what the exchange was first used with
-            self._agreement.name = names.agreement_name(content)
-        for b in buckets:
-            offset = 0
-            for m in b.members:
-                plan.offsets[m] = offset
-                offset += numels[m]
+            self._agreement.name = names.agreement_name(plan.content)
         self._plans[key] = plan
         self._plan_list.append(plan)
         return plan
 
-    def _handshake(self, plan: _Plan) -> None:
+    def _handshake(self, plan: Plan) -> None:
         """Compare settings, table, step and layout across the set (``packed.protocol.handshake``
         over this set's one Comm; eager, once per layout)."""
         with tf.init_scope():
@@ -436,7 +350,7 @@ class PackedExchange:
         plan.checked = self._handshaken = True
 
     # ------------------------------------------------------------------ what trains
-    def _agree_now(self, plan: _Plan) -> None:
+    def _agree_now(self, plan: Plan) -> None:
         """This step's agreement on what trains, collected before ``plan``'s handshake (trace
         time, eager; ``packed.trainable.agree_first``): a rank that planned a new layout alone
         meets here the others' agreement in their graph, and every rank raises the same
@@ -445,7 +359,7 @@ class PackedExchange:
         with tf.init_scope():
             self._agreed.assign(1)
 
-    def _agree(self, plan: _Plan) -> tf.Tensor:
+    def _agree(self, plan: Plan) -> tf.Tensor:
         """The graph's agreement on what trains (:class:`~horovod_aq.tensorflow.agreement.
         Agreement`, before any collective of the exchange is submitted) — unless it was
         collected at trace time for this run (:meth:`_agree_now`). No gradient flows in, so it
@@ -461,7 +375,7 @@ class PackedExchange:
     def _slot(self, numel: int, bucket: str) -> StatsSlot | None:
         return self._state.new_slot(numel, f"{bucket}#{next(self._slot_ids)}")
 
-    def _exchange(self, plan: _Plan, tensors: list[tf.Tensor],
+    def _exchange(self, plan: Plan, tensors: list[tf.Tensor],
                   raise_nonfinite: bool = True) -> tuple[list[tf.Tensor], tf.Tensor]:
         """The exchange graph of one layout, stage by stage (module docstring). Returns the
         averaged tensors and whether a rank sent non-finite markers (``raise_nonfinite`` False,
@@ -483,28 +397,25 @@ class PackedExchange:
             return [tf.identity(o) for o in outs], tf.identity(skipped)
 
     def _submit_stage(self, t: _Trace) -> None:
-        """Stage 1: encode every bucket (``PayloadOps.send``: g + α·h with error feedback,
-        statistics recorded on what is quantized, markers for what cannot travel) and submit
-        its first collective, then the small tensors' allreduces."""
+        """Stage 1: encode every bucket (``PayloadOps.send_parts``; with error feedback
+        ``send_compensated``: x = g + α·h, its payloads and h' in one op; statistics recorded on
+        what is quantized, markers for what cannot travel) and submit its first collective,
+        then the small tensors' allreduces."""
         comp, P, ps, st = self.compression, self.ranks, self.process_set, self._state
-        ef = st.error_memory
         for b in t.plan.buckets:
             parts = [tf.reshape(tf.cast(t.tensors[m], tf.float32), [-1]) for m in b.members]
             raw = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
-            compensate = None
-            if ef is not None:
-                memory = st.memory_variable(b.name, b.numel)
-                h = memory.read_value()
-
-                def compensate(g: tf.Tensor, h: tf.Tensor = h) -> tf.Tensor:
-                    return ef.compensate_value(g, h)                # g + α·h
             slot = self._slot(b.numel, b.name)
-            sent = self._ops.send_parts(raw, b, mode=b.mode, compensate=compensate,
-                                        record=None if slot is None else slot.record)
+            record = None if slot is None else slot.record
+            if st.error_memory is not None:
+                memory = st.memory_variable(b.name, b.numel)
+                sent, fused = self._ops.send_compensated(raw, memory.read_value(), b,
+                                                         mode=b.mode, record=record)
+                t.own[b.index] = MemoryUpdate(memory, fused.memory, fused.finite)
+            else:
+                sent = self._ops.send_parts(raw, b, mode=b.mode, record=record)
             sizes = [tf.size(p, out_type=tf.int64) for p in sent]
             t.sent.append(sent_bytes(b.mode, sizes, ps.rank(), P))
-            numel = b.numel if b.mode == "allgather" else chunk_numel(b.numel, P,
-                                                                      comp.bucket_size)
             with tf.control_dependencies([t.agreed]):   # no collective before the agreement
                 if b.mode == "allgather":   # any first dimension per rank (entropy: delimited)
                     t.first[b.index] = hvd.allgather(sent[0], name=names.allgather_name(b.name),
@@ -518,8 +429,6 @@ class PackedExchange:
                     t.first[b.index] = hvd.alltoall(
                         tf.concat(sent, axis=0), name=names.alltoall_name(b.name),
                         ignore_name_scope=True, process_set=ps)
-            if ef is not None:
-                t.own[b.index] = _Sent(memory, h, raw, sent, numel)
         for i in t.plan.small:
             g = t.tensors[i]
             wire = tf.cast(g, tf.float16) if comp.fp16_wire else g
@@ -538,8 +447,8 @@ class PackedExchange:
                     continue
                 m = chunk_numel(b.numel, self.ranks, self.compression.bucket_size)
                 rows = self._ops.rows(t.first[b.index], m, b, t.splits.get(b.index))
-                bad, check = self._nonfinite_check(t.plan, b, rows, t.raise_nonfinite,
-                                                   names.alltoall_name(b.name))
+                bad, check = nonfinite_check(self._ops, t.plan, b, rows, t.raise_nonfinite,
+                                             names.alltoall_name(b.name))
                 t.skipped.append(bad)
                 with tf.control_dependencies([check]):
                     t.chunk_avgs[b.index] = tf.cond(
@@ -575,8 +484,8 @@ class PackedExchange:
             for b in plan.buckets:
                 if b.mode == "allgather":
                     rows = self._ops.rows(t.first[b.index], b.numel, b)
-                    bad, check = self._nonfinite_check(plan, b, rows, t.raise_nonfinite,
-                                                       names.allgather_name(b.name))
+                    bad, check = nonfinite_check(self._ops, plan, b, rows, t.raise_nonfinite,
+                                                 names.allgather_name(b.name))
                     t.skipped.append(bad)
                     with tf.control_dependencies([check]):
                         flat = tf.cond(bad, lambda b=b: tf.fill([b.numel], nan),
@@ -585,8 +494,8 @@ class PackedExchange:
                 else:
                     m = chunk_numel(b.numel, self.ranks, self.compression.bucket_size)
                     rows = self._ops.rows(t.second[b.index], m, b)
-                    bad, _ = self._nonfinite_check(plan, b, rows, False,   # skip mode
-                                                   names.allgather_name(b.name))
+                    bad, _ = nonfinite_check(self._ops, plan, b, rows, False,   # skip mode
+                                             names.allgather_name(b.name))
 
                     def decode_all(rows=rows, m=m, b=b):
                         return self._ops.decode_rows(rows, m)[:b.numel]
@@ -601,84 +510,21 @@ class PackedExchange:
         t.results.update(t.small)
 
     def _end_stage(self, t: _Trace) -> tuple[list[tf.Tensor], tf.Tensor]:
-        """The step end: ECQ-SGD's memory update, DQSGD's Σ‖aggregate‖², the counters, then the
+        """The step end: ECQ-SGD's memory update, the counters (DQSGD's Σ‖aggregate‖² too), then the
         compressor's step end (refit when due, telemetry: :mod:`horovod_aq.tensorflow.step`);
         the outputs wait for all of it."""
         any_skipped = tf.reduce_any(tf.stack(t.skipped))
         side_effects = list(t.side_effects)
-        if t.own:
-            side_effects += self._update_memory(t.own, any_skipped, list(t.results.values()))
-        if self._aggregate_sq is not None:
-            decoded = t.decoded + [(t.small[i], tf.constant(False)) for i in t.plan.small]
-            side_effects.append(self._aggregate_sq.assign_add(aggregate_sum_sq(decoded)))
-        sent = (tf.reduce_sum(tf.stack([tf.stack(pair) for pair in t.sent]), axis=0) if t.sent
-                else tf.zeros([2], tf.int64))
-        counters = [self._calls.assign_add(1), self._plan_id.assign(t.plan.index),
-                    self._skipped.assign_add(tf.cast(any_skipped, tf.int64)),
-                    self._sent.assign_add(sent)]
-        with tf.control_dependencies(side_effects + counters):
+        if t.own:   # ECQ-SGD: h ← h' after every check passed (docs/protocol.md §13)
+            side_effects += update_memory(self._state.error_memory, self._state.memory_resets,
+                                          t.own.values(), any_skipped, list(t.results.values()))
+        decoded = t.decoded + [(t.small[i], tf.constant(False)) for i in t.plan.small]
+        side_effects += self._counters.in_graph(t.plan.index, any_skipped, t.sent, decoded)
+        with tf.control_dependencies(side_effects):
             ended = end_step_in_graph(self.compression, self.process_set)
         with tf.control_dependencies([ended]):
             outs = [tf.identity(t.results[pos]) for pos in range(len(t.tensors))]
             return outs, tf.identity(any_skipped)
-
-    def _update_memory(self, own: dict[int, _Sent], any_skipped: tf.Tensor,
-                       after: list[tf.Tensor]) -> list[tf.Tensor]:
-        """ECQ-SGD: h ← β·h + (g − g̃) for every bucket of ``own``, g̃ = the decode of this
-        rank's own payload(s); runs after ``after`` (every check passed) and not at all when
-        a rank sent non-finite markers."""
-        st = self._state
-        ef, resets = st.error_memory, st.memory_resets
-        assert ef is not None and resets is not None
-        ops = []
-        with tf.control_dependencies(after):
-            for sent in own.values():
-                numel = int(sent.raw.shape.num_elements())
-
-                def commit(sent=sent, numel=numel) -> tf.Tensor:
-                    decoded = sent_values(                                # g̃
-                        sent.payloads, lambda p, m=sent.numel: self._ops.decode_own(p, m),
-                        lambda values: tf.concat(values, axis=0), numel)
-                    new = ef.updated_memory(sent.h, sent.raw, decoded)   # β·h + (g − g̃)
-                    deps = []
-                    if ef.reset_on_nonfinite:
-                        finite = tf.reduce_all(tf.math.is_finite(new))
-                        new = tf.where(finite, new, tf.zeros_like(new))
-                        deps.append(resets.assign_add(
-                            tf.cast(tf.logical_not(finite), tf.int64)))
-                    deps.append(sent.memory.assign(new))
-                    with tf.control_dependencies(deps):
-                        return tf.constant(True)
-
-                ops.append(tf.cond(any_skipped, lambda: tf.constant(False), commit))
-        return ops
-
-    def _nonfinite_check(self, plan: _Plan, bucket: BucketPlan, rows: Rows,
-                         raise_nonfinite: bool, collective: str) -> tuple[tf.Tensor, tf.Tensor]:
-        """(any marker among ``rows``, the op that raises on one when ``raise_nonfinite``).
-
-        Every rank received the same rows, so every rank decides alike. The decision and its
-        message are ``receive.receive_outcome``'s (the first flagged rank, and the parameter
-        holding the first bad element, ``params.param_at``), run on the host only when a marker
-        arrived; the graph only tests the flags byte."""
-        any_bad = tf.reduce_any(self._ops.flagged(rows))
-        if not raise_nonfinite:
-            return any_bad, tf.no_op()
-        members = bucket.members
-        sources = [plan.names[m].split(":", 1)[1] for m in members]
-        offsets = [plan.offsets[m] for m in members]
-        numels = [int(np.prod(plan.shapes[m], dtype=np.int64)) for m in members]
-
-        def decide(heads: np.ndarray) -> np.bool_:
-            receive_outcome(heads, nonfinite="raise", bucket=bucket.name, collective=collective,
-                            param_at=lambda e: param_at(e, offsets, numels, sources),
-                            joined=False)
-            return np.bool_(True)
-
-        check = tf.cond(any_bad, lambda: tf.numpy_function(
-            decide, [self._ops.heads(rows)], tf.bool, stateful=True, name="aq_receive_outcome"),
-            lambda: tf.constant(True))
-        return any_bad, check
 
 
 def check_tf_wire(wire: Any) -> str:

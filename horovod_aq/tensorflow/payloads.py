@@ -3,7 +3,10 @@
 :class:`PayloadOps` builds, at trace time, what :class:`~horovod_aq.tensorflow.packed.
 PackedExchange` sends and receives: encoding a flat bucket (or its P two-phase chunks) with the
 format's stream keys, the non-finite marker instead when the bucket cannot travel, the gathered
-rows, their decoding and averaging. Everything reads the table variables of
+rows, their decoding and averaging; with error feedback (``send_compensated``) the
+compensated encode of :mod:`horovod_aq.tensorflow.compensated`, which returns the new memory
+h' with the payloads (no decode of this rank's own payloads). Everything reads the table
+variables of
 :mod:`horovod_aq.tensorflow.state`, so a refit or a DQSGD width change never retraces: a
 fixed-width compressor builds one branch, DQSGD one per width under a ``tf.switch_case``.
 
@@ -35,8 +38,8 @@ from horovod_aq.codec.stream import StreamKey
 from horovod_aq.packed.marker import Marker, marker_for, marker_index
 from horovod_aq.packed.plan import BucketPlan
 from horovod_aq.packed.protocol import norm_may_overflow
-from horovod_aq.packed.send import SendSteps, first_bad_element, send_bucket
-from horovod_aq.tensorflow import entropy, kernels
+from horovod_aq.packed.send import Fused, SendSteps, first_bad_element, send_bucket
+from horovod_aq.tensorflow import compensated, entropy, kernels
 from horovod_aq.tensorflow.entropy import VariableRows
 from horovod_aq.tensorflow.state import TFState, WidthState
 
@@ -125,28 +128,23 @@ class PayloadOps:
             norm=comp.norm, key=key, check=False, checksum=comp.quantizer.checksum))
 
     def send(self, raw: tf.Tensor, bucket: BucketPlan, *, mode: str,
-             compensate: Callable[[tf.Tensor], tf.Tensor] | None = None,
              record: Callable[[tf.Tensor], tf.Tensor] | None = None,
              first_part: int = 0) -> tf.Tensor:
         """:meth:`send_parts`, concatenated (what a collective without splits sends)."""
-        sent = self.send_parts(raw, bucket, mode=mode, compensate=compensate, record=record,
-                               first_part=first_part)
+        sent = self.send_parts(raw, bucket, mode=mode, record=record, first_part=first_part)
         return sent[0] if len(sent) == 1 else tf.concat(sent, axis=0)
 
     def send_parts(self, raw: tf.Tensor, bucket: BucketPlan, *, mode: str,
-                   compensate: Callable[[tf.Tensor], tf.Tensor] | None = None,
                    record: Callable[[tf.Tensor], tf.Tensor] | None = None,
                    first_part: int = 0) -> list[tf.Tensor]:
         """The payloads of the flat float32 ``raw`` sent by ``mode`` ("allgather": one payload;
         "two_phase": the P chunks of the zero-padded bucket, streams ``first_part`` …), in the
-        order of :func:`horovod_aq.packed.send.send_bucket`: compensate (``compensate``: g + α·h),
-        check, record (``record``: the refit statistics), encode — or, when something cannot
-        travel, the non-finite markers of :func:`horovod_aq.packed.marker.marker_for` instead.
-        The check is a ``tf.cond``; the first bad element a marker names is found on the host,
-        by ``send.first_bad_element``, only when markers are sent. The error-feedback update runs
-        later, after every check passed (``PackedExchange._update_memory``)."""
-        layout = marker_for(mode, int(raw.shape.num_elements()), self.ranks,
-                            self.state.widths[0].bits, self.compression.bucket_size)
+        order of :func:`horovod_aq.packed.send.send_bucket`: check, record (``record``: the
+        refit statistics), encode — or, when something cannot travel, the non-finite markers of
+        :func:`horovod_aq.packed.marker.marker_for` instead. The check is a ``tf.cond``; the
+        first bad element a marker names is found on the host, by ``send.first_bad_element``,
+        only when markers are sent. With error feedback: :meth:`send_compensated`."""
+        layout = self._layout(raw, mode)
         recorded: list[tf.Tensor] = []
 
         def record_stats(x: tf.Tensor) -> None:
@@ -160,11 +158,91 @@ class PayloadOps:
                                     self.encode(values, layout.numel, key))
 
         steps = SendSteps(
-            compensate=compensate if compensate is not None else tf.identity,
-            first_bad=self._first_bad, record=record_stats,
+            compensate=tf.identity, first_bad=self._first_bad, record=record_stats,
             parts=lambda x: self._parts(x, layout), encode=encode,
             markers=lambda bad: self._markers(bad, mode), branch=_graph_branch)
         return list(send_bucket(raw, steps))
+
+    def send_compensated(self, raw: tf.Tensor, h: tf.Tensor, bucket: BucketPlan, *, mode: str,
+                         record: Callable[[tf.Tensor], tf.Tensor] | None = None,
+                         ) -> tuple[list[tf.Tensor], compensated.Compensated]:
+        """:meth:`send_parts` with error feedback (memory ``h``): the fused order of
+        ``send.send_bucket`` — the compensated encode (:meth:`encode_compensated`: payloads and
+        h'), then its outcome as the check (markers named by ``send.first_bad_element`` when it
+        refused), the statistics of x = g + α·h on recording steps only, the tap. Returns the
+        payloads sent and the encode's outcome; the graph installs h' later, after every check
+        passed (``compensated.update_memory``)."""
+        ef = self.state.error_memory
+        layout = self._layout(raw, mode)
+        fused = self.encode_compensated(raw, h, bucket, layout)
+        recorded: list[tf.Tensor] = []
+
+        def compensate(g: tf.Tensor) -> tf.Tensor:
+            return ef.compensate_value(g, h)                         # g + α·h
+
+        def when(flag: Any, action: Callable[[], tf.Tensor]) -> None:
+            if flag is not False:
+                recorded.append(tf.cond(flag, action, lambda: tf.constant(-1, tf.int64)))
+
+        def branch(refused: tf.Tensor, on_bad: Callable[[], list],
+                   on_ok: Callable[[], list]) -> list:
+            def ok() -> list:
+                sent = list(on_ok())
+                if self.tap is not None:   # the values encoded, computed for the tap only
+                    x = self._parts(compensate(raw), layout)
+                    sent = [self._tapped(bucket, k, x[k], p) for k, p in enumerate(sent)]
+                with tf.control_dependencies(recorded):
+                    return [tf.identity(p) for p in sent]
+            return tf.cond(refused, on_bad, ok)
+
+        steps = SendSteps(
+            compensate=compensate, first_bad=self._first_bad,
+            record=record if record is not None else tf.identity,
+            parts=lambda x: self._parts(x, layout),
+            encode=lambda values, k: self.encode(values, layout.numel,
+                                                 self.stream_key(bucket.index, k)),
+            markers=lambda bad: self._markers(bad, mode), branch=branch,
+            encode_compensated=lambda g: Fused(list(fused.payloads), lambda: None,
+                                               fused.refused),
+            recording=(lambda: self.state.recording.read_value()) if record is not None
+            else (lambda: False),
+            when=when)
+        return list(send_bucket(raw, steps)), fused
+
+    def encode_compensated(self, raw: tf.Tensor, h: tf.Tensor, bucket: BucketPlan,
+                           layout: Marker) -> compensated.Compensated:
+        """The compensated encode of g = ``raw`` with memory ``h`` at the current width
+        (:mod:`horovod_aq.tensorflow.compensated`: a host pass without a GPU and on the
+        entropy-coded wire, graph ops otherwise)."""
+        comp, ef = self.compression, self.state.error_memory
+        parts = compensated.Parts(
+            numel=int(raw.shape.num_elements()), size=layout.numel, copies=layout.copies,
+            bucket=bucket.index, alpha=ef.alpha, beta=ef.beta, bucket_size=comp.bucket_size,
+            norm=comp.norm, checksum=comp.quantizer.checksum)
+        step = self.state.step.read_value()
+
+        def one(w: WidthState) -> compensated.Compensated:
+            if self.variable:
+                return compensated.on_host(raw, h, step, parts, seed=comp.quantizer.seed,
+                                           rank=self.rank, bits=w.bits,
+                                           table_of=lambda: w.source.table)
+            levels, header = tf.convert_to_tensor(w.levels), self.header(w, layout.numel)
+            if kernels.use_fused():
+                return compensated.on_host(raw, h, step, parts, seed=comp.quantizer.seed,
+                                           rank=self.rank, bits=w.bits, levels=levels,
+                                           header=header)
+            return compensated.in_graph(
+                raw, h, levels, header,
+                [self.stream_key(bucket.index, k) for k in range(layout.copies)], parts,
+                bits=w.bits, compensate=ef.compensate_value, update=ef.updated_memory,
+                unsendable=lambda g, x: self._first_bad(g, x).flag)
+
+        return self.by_width(one)
+
+    def _layout(self, raw: tf.Tensor, mode: str) -> Marker:
+        """The parts of a bucket sent by ``mode`` (``marker_for``: copies × numel)."""
+        return marker_for(mode, int(raw.shape.num_elements()), self.ranks,
+                          self.state.widths[0].bits, self.compression.bucket_size)
 
     @staticmethod
     def _parts(x: tf.Tensor, layout: Marker) -> list[tf.Tensor]:
@@ -330,16 +408,6 @@ class PayloadOps:
 
         with tf.control_dependencies(self.header_checks(rows, numel, check)):
             return self.by_width(decode)
-
-    def decode_own(self, payload: tf.Tensor, numel: int) -> tf.Tensor:
-        """One of this rank's own payloads (``numel`` elements) decoded without checks
-        (ECQ-SGD's g̃)."""
-        if self.variable:
-            B = self.compression.bucket_size
-            return self.by_width(lambda w: entropy.decode_rows(
-                [payload], lambda: w.source.table, numel=numel, bucket_size=B,
-                norm=self.compression.norm))
-        return self.decode_rows(tf.reshape(payload, [1, -1]), numel, check=False)
 
     def flagged(self, rows: Rows) -> tf.Tensor:
         """Per row of ``rows``: whether it is a non-finite marker."""

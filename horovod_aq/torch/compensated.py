@@ -5,7 +5,7 @@ memory in one pass per part (docs/dynamic.md §2.6), on CPU and CUDA tensors.
 :class:`~horovod_aq.torch.wire.Wire`: for each part — the whole bucket (allgather, part 0) or
 chunk k of its zero padding to P·m coordinates (two-phase first phase, part k; the averaged
 chunk's re-encode has no memory) — it runs the fused kernel on views of g, h and the output
-buffer, with the wire's stream key, timing (``Wire.timed_encode``):
+buffer, with the wire's stream key and timing (``Wire.timed_encode``):
 
 * **CPU**: ``codec.fused_compensated.try_encode_compensated`` on zero-copy numpy views, part
   by part;
@@ -22,14 +22,15 @@ set, sees x = g + α·h, computed for it after a successful pass.
 Other dtypes, CUDA without Triton and ``HOROVOD_AQ_KERNELS=ops`` keep the unfused steps
 (:func:`fusable`); both give bitwise the same payloads and memory.
 """
+
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from horovod_aq.packed.cost import chunk_numel
+from horovod_aq.packed.send import Fused
 from horovod_aq.torch import kernels
 
 __all__ = ["encode_compensated", "fusable", "part_spans"]
@@ -54,10 +55,9 @@ def part_spans(mode: str, numel: int, ranks: int, bucket_size: int) -> list[tupl
     return [(min(k * m, numel), min((k + 1) * m, numel), m) for k in range(ranks)]
 
 
-def encode_compensated(wire: Any, bucket: Any,
-                       raw: torch.Tensor) -> tuple[list[torch.Tensor], Callable[[], None]] | None:
-    """(payloads, install) for ``raw`` = g, or None when a bucket of x = g + α·h cannot travel
-    (module docstring)."""
+def encode_compensated(wire: Any, bucket: Any, raw: torch.Tensor) -> Fused | None:
+    """``send.Fused`` (payloads, install) for ``raw`` = g, or None when a bucket of
+    x = g + α·h cannot travel (module docstring)."""
     memory = wire.memory
     g = raw.detach()
     h = memory.saved(bucket.key, g)
@@ -75,8 +75,8 @@ def encode_compensated(wire: Any, bucket: Any,
     if wire.tap is not None:
         for part, x in enumerate(wire.parts(bucket, memory.compensate(bucket.key, g))):
             wire.tap(bucket, part, x, payloads[part])
-    return payloads, lambda: memory.install(bucket.key, out, g, finite=finite,
-                                            sum_of_squares=squares, recycle=True)
+    return Fused(payloads, lambda: memory.install(bucket.key, out, g, finite=finite,
+                                                  sum_of_squares=squares, recycle=True))
 
 
 Parts = tuple[list[torch.Tensor], bool, float]
