@@ -161,7 +161,7 @@ class Horovod:
 
 
 class DDP:
-    """torch.distributed (Gloo on CPU, NCCL with one GPU per process) and a DDP comm hook."""
+    """torch.distributed on CPU (Gloo, as this example runs it) and a DDP comm hook."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         import torch.distributed as dist
