@@ -126,6 +126,21 @@ def first_reach(curve: list[dict], target: float) -> dict | None:
     return next((pt for pt in curve if pt["val_bpc"] <= target), None)
 
 
+def crossing(curve: list[dict], target: float) -> dict | None:
+    """Where the subset bpc curve first crosses ``target``, linearly interpolated between the
+    last evaluation above it (s₀, b₀) and the first at or below it (s₁, b₁):
+    step = s₀ + (b₀ − target)/(b₀ − b₁)·(s₁ − s₀), training seconds alike (None: never)."""
+    hit = first_reach(curve, target)
+    if hit is None:
+        return None
+    i = curve.index(hit)
+    if i == 0:
+        return {"step": float(hit["step"]), "train_seconds": hit["train_seconds"]}
+    a = curve[i - 1]
+    w = (a["val_bpc"] - target) / (a["val_bpc"] - hit["val_bpc"])
+    return {k: a[k] + w * (hit[k] - a[k]) for k in ("step", "train_seconds")}
+
+
 def paired(rows: dict[str, list[dict]], label: str, key: str = "val_bpc") -> list[float]:
     """``key`` of ``label`` minus fp32's, for each seed both rows hold."""
     ref = {r["seed"]: r[key] for r in rows.get("fp32", [])}
@@ -231,8 +246,8 @@ def render(args: argparse.Namespace, data: dict, wall: float) -> str:
         r0 = runs[0]
         sent = statistics.fmean(r["bytes_per_step"] for r in runs)
         steady = statistics.fmean(steady_bytes(r) for r in runs)
-        reach = [first_reach(r["curve"], args.target) for r in runs]
-        hit = [pt for pt in reach if pt is not None]
+        hit = [pt for pt in (first_reach(r["curve"], args.target) for r in runs) if pt]
+        cross = [pt for pt in (crossing(r["curve"], args.target) for r in runs) if pt]
         bits = [r["bits_per_coordinate"] for r in runs if r.get("bits_per_coordinate")]
         name = label if label != MATCHED else f"PowerSGD r={r0['powersgd_rank']} (matched)"
         table.append([
@@ -243,14 +258,17 @@ def render(args: argparse.Namespace, data: dict, wall: float) -> str:
             f"{statistics.fmean(bits):.2f}" if bits else "—",
             (f"{statistics.fmean(pt['step'] for pt in hit):.0f} ({len(hit)}/{len(runs)})"
              if hit else f"not reached (0/{len(runs)})"),
-            f"{statistics.fmean(pt['train_seconds'] for pt in hit):.0f}" if hit else "—",
+            f"{statistics.fmean(pt['step'] for pt in cross):.0f}" if cross else "—",
+            f"{statistics.fmean(pt['train_seconds'] for pt in cross):.0f}" if cross else "—",
             f"{statistics.fmean(r['seconds'] for r in runs):.0f} "
             f"({statistics.fmean(r['launch_seconds'] for r in runs):.0f})",
             ", ".join(str(r["seed"]) for r in runs)])
     head = ["row", "what", "val bpc", "minus fp32 (paired, ± se)", "kB/rank/step",
             "bytes vs fp32", "steady vs fp32", "bits/coord", f"step to {args.target} bpc",
-            "train s to target", "s per run (launch)", "seeds"]
+            "step (interpolated)", "train s to target (interpolated)", "s per run (launch)",
+            "seeds"]
     r0 = next(iter(rows.values()))[0]
+    launched = sum(r["launch_seconds"] for runs in rows.values() for r in runs)
     notes = [
         f"Task: examples/transformer_char.py, GPT {r0['numel']:,} parameters, {RANKS} ranks "
         f"(1 thread each, Gloo), {r0['steps']} steps, AdamW, corpus pydoc_data.topics "
@@ -259,7 +277,8 @@ def render(args: argparse.Namespace, data: dict, wall: float) -> str:
         f"{data.get('powersgd_matched_rank', 'not yet chosen')}",
         f"Target {args.target} bpc on the evaluation subset ({r0['eval_windows']} of "
         f"{r0['val_windows']} validation windows, every {r0['curve'][1]['step']} steps)",
-        f"Wall time of this invocation {wall / 60:.1f} min",
+        f"Launches of the stored runs: {launched / 60:.0f} min in all (this invocation "
+        f"{wall / 60:.1f} min)",
     ]
     body = report.markdown_table(head, table) + (
         "\n\nval bpc: validation bits per character on all windows after the last step, mean ± "
@@ -270,7 +289,9 @@ def render(args: argparse.Namespace, data: dict, wall: float) -> str:
         "w = 4, fp16/bf16 w = 2; PowerSGD: its uncompressed tensors + P + Q in fp32, first 2 "
         "steps whole). bits/coord: horovod_aq's payload bits per quantized coordinate. step "
         "to target: the first evaluation at or below the target (mean over the seeds that "
-        "reached it); train s: rank 0's training seconds to it (evaluations excluded). s per "
+        "reached it); interpolated: the crossing linearly interpolated between that evaluation "
+        "and the one before (crossing()); train s: rank 0's training seconds to it "
+        "(evaluations excluded), interpolated alike. s per "
         "run: rank 0's training and evaluations (launch: the whole launch, start-up included). "
         "Times are on a shared 2-core machine: compare them within one report only.\n")
     return report.header("A transformer with AdamW: fp32, 16-bit, PowerSGD and horovod_aq",

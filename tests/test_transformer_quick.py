@@ -8,7 +8,8 @@ start); every row started from the same weights; fp32's bytes are the ring allre
 2(P−1)/P·4n = 4n at P = 2; the quantized rows send between 2/32 and 4/32 of that (3-bit codes
 plus bucket norms and headers, or the entropy-coded body that ``wire="auto"`` may choose); the
 time to a target that every row reaches within the quick run is the first evaluation at or
-below it; the resume rule skips a (row, seed) the JSON holds.
+below it, and its interpolated crossing lies between that evaluation and the one before; the
+resume rule skips a (row, seed) the JSON holds.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ def test_transformer_quick(tmp_path):
         assert run["time_to_target"]["step"] == reach["step"]              # example == driver
         assert all(b > TARGET for b in bpc[:steps.index(reach["step"])])
         assert 0 < reach["train_seconds"] <= run["train_seconds"]
+        cross, i = bench.crossing(run["curve"], TARGET), steps.index(reach["step"])
+        assert steps[i - 1] < cross["step"] <= reach["step"], (cross, steps)
+        frac = (cross["step"] - steps[i - 1]) / (steps[i] - steps[i - 1])
+        assert bpc[i - 1] + frac * (bpc[i] - bpc[i - 1]) == pytest.approx(TARGET)
         if label != "fp32":
             ratio = bench.steady_bytes(run) / fp32["bytes_per_step"]
             assert 2 / 32 < ratio < 4 / 32, (label, ratio)
