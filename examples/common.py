@@ -26,8 +26,25 @@ COMPRESSIONS = ["alq", "alqn", "alqg", "amq", "amqn", "qsgd", "qsgdinf", "nuqsgd
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
+    """The MNIST examples' flags: :func:`compression_flags` plus epochs, batch, lr, seed,
+    threads and outputs."""
     p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    compression_flags(p)
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=0.05, help="per rank (scaled by the rank count)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
+    p.add_argument("--out", default=None, help="directory for telemetry, metrics.json and plots")
+    p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard scalars")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def compression_flags(p: argparse.ArgumentParser) -> None:
+    """The flags :func:`make_compressor` reads (with ``--seed``): --compression, --bits,
+    --bucket-size, --norm, --error-feedback, --exchange."""
     p.add_argument("--compression", choices=COMPRESSIONS, default="alq")
     p.add_argument("--bits", type=int, default=3, help="bits per coordinate (1..8)")
     p.add_argument("--bucket-size", type=int, default=None,
@@ -42,15 +59,6 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--exchange", choices=["auto", "allgather", "two_phase", "stock"],
                    default="auto", help="packed exchange mode, or 'stock' for Horovod's own "
                    "optimizer with compression= (fp16 wire)")
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05, help="per rank (scaled by the rank count)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
-    p.add_argument("--out", default=None, help="directory for telemetry, metrics.json and plots")
-    p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard scalars")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
 
 
 def error_feedback(args: argparse.Namespace) -> bool | str:
