@@ -110,3 +110,6 @@ def test_wire_argument_is_checked():
 
     with pytest.raises(ValueError, match="PyTorch exchanges only"):
         DistributedGradientTape(tf.GradientTape(), horovod_aq.QSGD(bits=3), wire="auto")
+    for mode in ("node_allgather", "node_two_phase"):   # docs/keras.md §2: flat in TensorFlow
+        with pytest.raises(ValueError, match="node-aware.*PyTorch exchanges only"):
+            DistributedGradientTape(tf.GradientTape(), horovod_aq.QSGD(bits=3), exchange=mode)

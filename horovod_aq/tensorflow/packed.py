@@ -56,7 +56,7 @@ import tensorflow as tf
 
 from horovod_aq.packed import plan as names
 from horovod_aq.packed.chunks import chunk_zero_spans
-from horovod_aq.packed.cost import chunk_numel
+from horovod_aq.packed.cost import chunk_numel, inner_mode
 from horovod_aq.packed.plan import (
     DEFAULT_FUSION_BYTES,
     BucketPlan,
@@ -529,14 +529,25 @@ class PackedExchange:
 
 def check_tf_wire(wire: Any) -> str:
     """The ``wire=`` of the TensorFlow tape and Keras optimizer: "fixed" or "entropy"
-    (``packed.protocol.check_wire``). "auto" (the measured link model, docs/protocol.md §5.5)
-    is refused with what to pass instead: it is implemented for the PyTorch exchanges only."""
+    (``packed.protocol.check_wire``). "auto" (the wire chosen by timing the candidates on the
+    job's steps, docs/protocol.md §5.5) is refused with what to pass instead: it is implemented
+    for the PyTorch exchanges only."""
     if isinstance(wire, str) and wire == "auto":
-        raise ValueError("wire='auto' (the measured link model, docs/protocol.md §5.5) is "
-                         "implemented for the PyTorch exchanges only for now; pass "
+        raise ValueError("wire='auto' (the wire chosen by timed trials, docs/protocol.md §5.5) "
+                         "is implemented for the PyTorch exchanges only for now; pass "
                          "wire='fixed' or wire='entropy' to the TensorFlow tape and the Keras "
                          "optimizer")
     return check_wire(wire)
+
+
+def check_tf_exchange(exchange: Any) -> None:
+    """The node-aware modes (docs/protocol.md §5.7) are refused with what to pass instead: the
+    TensorFlow exchange is flat (docs/keras.md §2)."""
+    if isinstance(exchange, str) and inner_mode(exchange) is not None:
+        raise ValueError(f"exchange={exchange!r} (node-aware, docs/protocol.md §5.7) is "
+                         "implemented for the PyTorch exchanges only for now; pass "
+                         "exchange='auto', 'allgather' or 'two_phase' to the TensorFlow tape "
+                         "and the Keras optimizer")
 
 
 def exchange_for(compression: Any, *, process_set: hvd.ProcessSet, exchange: str = "auto",
@@ -550,6 +561,7 @@ def exchange_for(compression: Any, *, process_set: hvd.ProcessSet, exchange: str
     stall`)."""
     check_compression(compression, "hvd.DistributedGradientTape")
     wire = check_tf_wire(wire)
+    check_tf_exchange(exchange)
     stall = stall_timeout_of(stall_timeout_s)
     settings = ExchangeSettings(exchange, fusion_bytes, small_tensor_threshold, network)
     if not hvd.is_initialized():

@@ -145,11 +145,10 @@ class QuantizedHookState:
             else 300; 0: wait forever).
         wire: "fixed" (fixed-width codes), "entropy" (entropy-coded, variable-length
             payloads where smaller, docs/format.md §12; sizes are gathered before the payloads,
-            docs/protocol.md §5.4) or "auto" (the first steps measure the collectives and
-            codecs, then every rank takes the coding — and with ``exchange="auto"`` the mode —
-            rank 0 chose per bucket from the fitted link model, docs/protocol.md §5.5; one log
-            line; the default); an ``horovod_aq.packed.autowire.AutoWire`` sets the
-            measurement's schedule.
+            docs/protocol.md §5.4) or "auto" (the default: every candidate wire runs a few
+            steps in turn, then every rank takes the one rank 0 measured fastest, or within
+            3 % of it the one with the fewest bytes, docs/protocol.md §5.5; one log line); an
+            ``horovod_aq.packed.autowire.AutoWire`` sets the schedule.
             Kept in :attr:`coding`, which may be changed between steps (the same on every rank;
             a change measures again); :attr:`autowire` shows the decision, which
             :meth:`state_dict` holds.

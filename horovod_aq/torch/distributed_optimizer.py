@@ -81,7 +81,8 @@ def DistributedOptimizer(
             the exchange (the result is the same dense average). Without quantization: as Horovod
             (sparse allreduce unless True).
         process_set: the Horovod process set to average over (all collectives use it).
-        exchange: "auto" (cost model), "allgather" or "two_phase".
+        exchange: "auto" (cost model), "allgather" or "two_phase"; on several nodes of several
+            ranks also "node_allgather" or "node_two_phase" (docs/protocol.md §5.7).
         fusion_bytes: cap of a fused bucket in bytes of fp32 gradient.
         small_tensor_threshold: parameters with fewer elements are allreduced uncompressed.
         network: parameters of the exchange cost model.
@@ -91,12 +92,13 @@ def DistributedOptimizer(
             (default ``$HOROVOD_AQ_STALL_TIMEOUT_S``, else 300; 0: wait forever).
         wire: "fixed" (fixed-width codes, one payload size per bucket), "entropy" (the
             entropy-coded body of docs/format.md §12 where it is smaller: variable-length
-            payloads, docs/protocol.md §5.4; telemetry counts the bytes really sent) or "auto":
-            the first steps measure the collectives and codecs, then every rank takes the
-            coding (and with ``exchange="auto"`` the mode) that rank 0 chose per bucket from
-            the fitted link model (docs/protocol.md §5.5; one log line; the default). An
-            ``horovod_aq.packed.autowire.AutoWire`` sets the measurement's schedule
-            (``AutoWire("auto", warmup_steps=2, measure_steps=8)``). The decision is in
+            payloads, docs/protocol.md §5.4; telemetry counts the bytes really sent) or "auto"
+            (the default): after 2 warm-up steps every candidate wire — fixed and entropy
+            codes in every exchange mode allowed — runs 4 steps in turn, then every rank takes
+            the one rank 0 measured fastest, or within 3 % of it the one with the fewest bytes
+            (docs/protocol.md §5.5; one log line). An
+            ``horovod_aq.packed.autowire.AutoWire`` sets the schedule
+            (``AutoWire("auto", warmup_steps=2, trials=4)``). The decision is in
             :meth:`state_dict` (``"horovod_aq_wire"``); :attr:`autowire` shows it.
         error_feedback: "auto" (the default) wraps a quantizer of at most 3 bits per code in
             ``horovod_aq.ErrorFeedback`` (its default coefficients, one INFO line), True any
