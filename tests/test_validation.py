@@ -99,7 +99,8 @@ BAD = [
     (lambda: check_exchange_args(fusion_bytes="64"), T, "fusion_bytes must be >= 4"),
     (lambda: check_exchange_args(fusion_bytes=2), V, "fusion_bytes must be >= 4"),
     (lambda: check_exchange_args(exchange="ring"), V,
-     "exchange must be one of ('auto', 'allgather', 'two_phase'), got 'ring'"),
+     "exchange must be one of ('auto', 'allgather', 'two_phase', 'node_allgather', "
+     "'node_two_phase'), got 'ring'"),
     # the codec's own keyword
     (lambda: codec.encode(np.ones(3, np.float32), horovod_aq.QSGD(bits=2).table, bucket_size=2,
                           seed=0, checksum=1), TypeError, "checksum must be True or False"),

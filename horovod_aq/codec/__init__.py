@@ -94,6 +94,7 @@ from horovod_aq.codec.reference import (
     decode_average,
     encode,
     encode_compensated,
+    memory_sum_of_squares,
     quantize,
     variable_rows,
 )
@@ -113,7 +114,7 @@ __all__ = [
     "check_norm", "check_norms", "check_payload_norms", "check_rows", "check_size", "decode",
     "decode_average", "draw_uniforms", "empirical_entropy", "encode", "encode_compensated",
     "encode_entropy",
-    "entropy_payload_size", "float32_levels", "make_header",
+    "entropy_payload_size", "float32_levels", "make_header", "memory_sum_of_squares",
     "non_finite_message", "nonfinite_payload", "nonfinite_rows", "norm_overflow_message",
     "num_buckets", "pack_bits", "packed_size", "pairwise_sum_rows", "parse_header", "parse_rows",
     "payload_checksum", "payload_length", "payload_size", "philox4x32", "quantize",
