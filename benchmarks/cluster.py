@@ -3,6 +3,8 @@
     python benchmarks/cluster.py                 # 2 and 4 hosts × 100 Mbit/s and 1 Gbit/s
     python benchmarks/cluster.py --quick         # CI: 2 hosts, 100 Mbit/s, small model, few steps
     python benchmarks/cluster.py --setup         # only install missing Debian packages
+    python benchmarks/cluster.py --quick --modes hvd_fp32,defaults --rounds 4 --steps 3 \
+        --json out.json                          # horovod-aq demo's timing: results as JSON
 
 **Cluster** (``benchmarks/netns.py``; ``docs/protocol.md`` §12). N hosts are Linux network
 namespaces on one bridge; each host link is shaped in both directions with a ``tc`` token
@@ -54,7 +56,8 @@ the packed optimizer's telemetry (``bytes_sent``), or 2(P−1)/P·(4 or 2)·n fo
 allreduce. Before each launch the script waits until the 1-minute load average is below
 ``--max-load`` and records the load.
 
-Results: ``benchmarks/results/cluster.md`` and ``cluster.png`` (``--quick``: results/quick/).
+Results: ``benchmarks/results/cluster.md`` and ``cluster.png`` (``--quick``: results/quick/);
+with ``--json PATH`` only the results as JSON, at PATH (``horovod-aq demo`` reads them).
 """
 
 from __future__ import annotations
@@ -118,6 +121,10 @@ AUTO_TOLERANCE = 1.05
 #: Fewer timed steps per mode than this cannot resolve AUTO_TOLERANCE on a shared 2-core host
 #: (--quick times 2): the auto line is then reported (ℹ️) but not judged.
 AUTO_MIN_TIMED_STEPS = 8
+#: Rounds of interleaved modes (the first ``warmup_rounds`` untimed) and steps of each mode per
+#: round, unless --rounds/--warmup-rounds/--steps say otherwise; --quick: plumbing, not speed.
+ROUNDS = {"rounds": 5, "warmup_rounds": 1, "steps": 3}
+QUICK_ROUNDS = {"rounds": 2, "warmup_rounds": 1, "steps": 2}
 #: Environment of every rank: one compute thread, quiet TensorFlow, no stall warnings.
 RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "120"}
@@ -598,8 +605,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="CI: 2 hosts, 100 Mbit/s, small MLP, 2 rounds of 2 steps (plumbing and "
-                        "byte ratio, not speed)")
+                   help="CI: 2 hosts, 100 Mbit/s, small MLP, 2 rounds of 2 steps unless "
+                        "--rounds/--steps say otherwise (plumbing and byte ratio, not speed)")
     p.add_argument("--setup", action="store_true",
                    help="install missing Debian packages (iproute2, util-linux) and exit")
     p.add_argument("--hosts", default="2,4", help="comma list of host counts (default 2,4)")
@@ -607,10 +614,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sizes", default=None,
                    help="MLP widths, comma list (default 784,4096,1536,10 ≈ 9.5M parameters)")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="rounds of interleaved modes, the first --warmup-rounds untimed")
-    p.add_argument("--warmup-rounds", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3, help="steps of each mode per round")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of interleaved modes, the first --warmup-rounds untimed "
+                        f"(default {ROUNDS['rounds']}, quick {QUICK_ROUNDS['rounds']})")
+    p.add_argument("--warmup-rounds", type=int, default=None,
+                   help=f"(default {ROUNDS['warmup_rounds']})")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"steps of each mode per round (default {ROUNDS['steps']}, quick "
+                        f"{QUICK_ROUNDS['steps']})")
     p.add_argument("--modes", default=None,
                    help=f"comma list from {list(MODES)} (default {','.join(DEFAULT_MODES)}, "
                         f"and {','.join(NODE_MODES)} with several ranks per host)")
@@ -630,6 +641,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="hard limit per horovodrun launch (s; default 1800, quick 300)")
     p.add_argument("--name", default="cluster",
                    help="report name: benchmarks/results/<name>.md/.png/.json (default cluster)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the results (config and per-mode summaries, as the report's "
+                        ".json) to PATH instead of the report and figure: for callers that "
+                        "print their own line, such as horovod-aq demo")
     p.add_argument("--sleep-wait", type=float, default=0.0, metavar="SECONDS",
                    help="diagnostic: wait for Horovod collectives by polling with this sleep "
                         "instead of Horovod's spinning wait, in every mode (default 0: stock)")
@@ -641,8 +656,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.hosts, args.rates = "2", "100"
         args.sizes = args.sizes or ",".join(map(str, _quick_sizes()))
-        args.rounds, args.warmup_rounds, args.steps = 2, 1, 2
         args.max_load = float("inf")
+    for key, default in (QUICK_ROUNDS if args.quick else ROUNDS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
     args.hosts = [int(h) for h in str(args.hosts).split(",")]
     args.rates = [float(r) for r in str(args.rates).split(",")]
     if args.modes is None:
@@ -729,6 +746,12 @@ def main(argv=None) -> int:
         import shutil
 
         shutil.rmtree(log_dir, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": cfg, "results": results,
+                                               "cluster": described,
+                                               "seconds": time.monotonic() - t_start},
+                                              indent=1, default=str))
+        return 0
     write_report(args, cfg, results, described, time.monotonic() - t_start)
     return 0
 

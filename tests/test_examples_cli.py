@@ -81,13 +81,34 @@ def test_pytorch_example_stock_path_and_mpi(tmp_path):
 #: The compressed run's label: the example's default --error-feedback auto adds error feedback
 #: at <= 3 bits (docs/quantizers.md §5.9); the stand-in launcher below writes the plain label.
 ALQ_LABEL = r"ALQ 3-bit(?: \+ error feedback)?"
+#: The demo's headline: the paired gap (within noise, beyond noise, or one seed), its standard
+#: error over several seeds, both mean accuracies and the byte ratio.
 DEMO_LINE = re.compile(
-    rf"^demo done: {ALQ_LABEL} is (\d+\.\d) pt (above|below) fp32 in test accuracy, "
-    rf"(seed \d+|mean over seeds [\d, ]+) \(fp32 (\d+\.\d)%, {ALQ_LABEL} (\d+\.\d)%; paired by "
-    r"seed, same initial weights and sample order: ([+-]\d+\.\d) pt(?: ± (\d+\.\d))?"
-    rf"(; one seed is noisy[^)]*)?\); {ALQ_LABEL} sent (\d+\.\d)x fewer gradient bytes than "
-    r"fp32 \(([\d.]+) vs ([\d.]+) MiB over (\d+) steps, rank 0 telemetry; ([\d.]+) bits per "
-    r"coordinate\); figure (\S+), runs in ", re.MULTILINE)
+    rf"^demo done: (?P<label>{ALQ_LABEL}) (?:matches fp32 within noise in test accuracy: "
+    r"(?P<within>[+-]\d+\.\d\d) ± (?P<within_se>\d+\.\d\d) pt|is (?P<gap>\d+\.\d+)"
+    r"(?: ± (?P<se>\d+\.\d\d))? pt (?P<side>above|below) fp32 in test accuracy"
+    r"(?P<verdict>, beyond noise| on one seed, which cannot tell a gap from seed noise "
+    r"\(--seeds 0,1,2 gives a standard error\))) \((?:mean ± standard error of the paired "
+    r"difference over seeds (?P<seeds>[\d, ]+), each pair from the same initial weights and "
+    r"sample order; within noise = under 2 standard errors; )?fp32 (?P<acc_base>\d+\.\d\d)%, "
+    rf"{ALQ_LABEL} (?P<acc_comp>\d+\.\d\d)%\); {ALQ_LABEL} sent (?P<ratio>\d+\.\d)x fewer "
+    r"gradient bytes than fp32 \((?P<mib_comp>[\d.]+) vs (?P<mib_base>[\d.]+) MiB over "
+    r"(?P<steps>\d+) steps, rank 0 telemetry; (?P<bits>[\d.]+) bits per coordinate\)$",
+    re.MULTILINE)
+#: The speed line where the demo timed the emulated cluster.
+SPEED_MEASURED = re.compile(
+    r"^speed, measured: a training step on an emulated cluster of (?P<hosts>\d+) hosts linked "
+    r"at (?P<rate>[\d.]+ [MG]bit/s) .* took (?P<aq>\d+\.\d+) s with horovod_aq\.ALQ\(bits=3\) "
+    r"and every other default against (?P<fp32>\d+\.\d+) s with Horovod's fp32 allreduce: "
+    r"(?P<speedup>\d+\.\d)x faster \(medians of (?P<steps>\d+) steps each; "
+    r"(?P<aq_mb>[\d.]+) vs (?P<fp32_mb>[\d.]+) MB out of each host per step\)$", re.MULTILINE)
+#: The speed line where it could not: measured bytes per step, a bytes ÷ bandwidth model.
+SPEED_MODEL = re.compile(
+    r"^speed, modelled \(not measured: (?P<reason>.+?)\): each rank sent (?P<comp_kb>[\d.]+) kB "
+    rf"of gradients per step with {ALQ_LABEL} against (?P<base_kb>[\d.]+) kB with fp32 "
+    r"\(measured, rank 0 telemetry\); bytes ÷ bandwidth puts the transfer at (?P<c100>[\d.]+) "
+    r"vs (?P<b100>[\d.]+) ms on 100 Mbit/s, (?P<c1g>[\d.]+) vs (?P<b1g>[\d.]+) ms on 1 Gbit/s "
+    r"per step, (?P<ratio>\d+\.\d)x shorter \(a model: ", re.MULTILINE)
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -106,7 +127,7 @@ def _logged_command(run_dir) -> list[str]:
 def test_cli_demo_trains_fp32_and_alq_from_one_seed_and_compares(tmp_path, capfd):
     out = tmp_path / "demo"
     assert cli.main(["demo", "--epochs", "1", "--seeds", "0", "--out", str(out),
-                     "--no-progress"]) == 0
+                     "--no-progress", "--speed", "model"]) == 0
     text = capfd.readouterr().out
     runs = {}
     for name in ("fp32", "alq3"):
@@ -114,6 +135,7 @@ def test_cli_demo_trains_fp32_and_alq_from_one_seed_and_compares(tmp_path, capfd
         argv = _logged_command(run_dir)
         assert _flag(argv, "--compression") == {"fp32": "none", "alq3": "alq"}[name]
         assert _flag(argv, "--seed") == "0" and "--no-progress" in argv
+        assert float(_flag(argv, "--lr")) == cli.DEMO_LR
         with open(run_dir / "metrics.json") as f:
             runs[name] = json.load(f)
         with open(run_dir / "telemetry.jsonl") as f:
@@ -131,23 +153,29 @@ def test_cli_demo_trains_fp32_and_alq_from_one_seed_and_compares(tmp_path, capfd
     m = DEMO_LINE.search(text)
     assert m, text[-3000:]
     gap = 100 * alq["test_acc"] - 100 * fp32["test_acc"]
-    assert float(m.group(1)) == round(abs(gap), 1) and m.group(3) == "seed 0"
-    assert float(m.group(4)) == round(100 * fp32["test_acc"], 1)
-    assert float(m.group(5)) == round(100 * alq["test_acc"], 1)
-    assert m.group(7) is None and m.group(8)                    # one seed: no spread, a note
-    assert int(m.group(12)) == steps[0]
-    assert float(m.group(9)) == round(sent["fp32"] / sent["alq3"], 1)
-    assert float(m.group(9)) > 8                                           # 3 bits vs 32
-    assert m.group(14) == str(out / "curves.png")
+    assert float(m["gap"]) == round(abs(gap), 1) and m["verdict"].startswith(" on one seed")
+    assert m["se"] is None and m["seeds"] is None                # one seed: no spread
+    assert float(m["acc_base"]) == round(100 * fp32["test_acc"], 2)
+    assert float(m["acc_comp"]) == round(100 * alq["test_acc"], 2)
+    assert int(m["steps"]) == steps[0]
+    assert float(m["ratio"]) == round(sent["fp32"] / sent["alq3"], 1)
+    assert float(m["ratio"]) > 8                                           # 3 bits vs 32
+    speed = SPEED_MODEL.search(text)
+    assert speed and speed["reason"] == "--speed model", text[-3000:]
+    assert float(speed["base_kb"]) == round(sent["fp32"] / steps[0] / 1e3, 1)
+    assert f"figure {out / 'curves.png'}; runs and logs in {out}/" in text
     assert (out / "curves.png").stat().st_size > 10_000
-    # rank 0's epoch lines go to the log, not to the terminal; no rank prefixes reach it
+    # rank 0's epoch lines go to the log, not to the terminal; no rank prefixes reach it, nor
+    # TensorFlow's or absl's start-up notices
     assert "<stdout>" not in text and "epoch  1" not in text
+    assert "absl" not in text and "oneDNN" not in text
     assert "epoch  1" in (out / "alq3" / "seed0" / "horovodrun.log").read_text()
 
 
 class _FakeHorovodrun:
     """Stands in for ``subprocess.Popen`` of horovodrun: writes what the example writes
-    (metrics.json, telemetry) and prints rank-prefixed lines as horovodrun does."""
+    (metrics.json, telemetry) and prints rank-prefixed lines as horovodrun does, TensorFlow's
+    start-up notices among them."""
 
     def __init__(self, calls, accuracy, bytes_per_step, fingerprint, fail):
         self.calls, self.accuracy, self.bytes_per_step = calls, accuracy, bytes_per_step
@@ -158,7 +186,11 @@ class _FakeHorovodrun:
         comp, out, seed = _flag(cmd, "--compression"), _flag(cmd, "--out"), _flag(cmd, "--seed")
         proc = type("Proc", (), {})()
         lines = ["[0]<stdout>:epoch  1  train loss 1.25 ...\n",
-                 "[1]<stderr>:INFO horovod_aq: something rank 1 logged\n"]
+                 "[1]<stderr>:INFO horovod_aq: something rank 1 logged\n",
+                 "[1]<stderr>:WARNING: All log messages before absl::InitializeLog() is called "
+                 "are written to STDERR\n",
+                 "[0]<stderr>:2026-12-06 I tensorflow/core/util/port.cc:153] WARNING oneDNN "
+                 "custom operations are on.\n"]
         proc.stdout = iter(lines)
         proc.wait = lambda: 3 if comp == self.fail else 0
         if comp == self.fail:
@@ -181,14 +213,25 @@ class _FakeHorovodrun:
         return proc
 
 
+#: What the stand-in cluster timing returns (cli.cluster_speed's fields).
+FAKE_SPEED = {"hosts": 2, "rate": 100.0, "params": 814_090, "steps": 9, "fp32_s": 0.3,
+              "aq_s": 0.05, "fp32_bytes": 3.3e6, "aq_bytes": 3.4e5}
+
+
 def _fake_demo_runs(monkeypatch, *, bytes_per_step: dict, fingerprint: dict | None = None,
-                    fail: str | None = None, accuracy: dict | None = None) -> list[list[str]]:
+                    fail: str | None = None, accuracy: dict | None = None,
+                    cluster: dict | str | None = None) -> list[list[str]]:
+    """Stand-ins for horovodrun and, for the speed line, the cluster: ``cluster`` None (this
+    machine cannot build one: the model), what the timing returned, or why it failed."""
     calls: list[list[str]] = []
     accuracy = accuracy or {"none": {s: 0.9 for s in range(10)},
                             "alq": {s: 0.875 for s in range(10)}}
     monkeypatch.setattr(cli.subprocess, "Popen",
                         _FakeHorovodrun(calls, accuracy, bytes_per_step, fingerprint, fail))
     monkeypatch.setattr(cli, "_horovodrun", lambda: "horovodrun")
+    monkeypatch.setattr(cli, "_cluster_unavailable",
+                        lambda: "no cluster in this test" if cluster is None else None)
+    monkeypatch.setattr(cli, "_time_cluster", lambda out: cluster)
     return calls
 
 
@@ -203,14 +246,24 @@ def test_cli_demo_closing_line_takes_the_byte_ratio_from_telemetry(tmp_path, mon
                                                   str(tmp_path / "alq3" / "seed7")]
     m = DEMO_LINE.search(out)
     assert m, out
-    assert m.groups()[:7] == ("2.5", "below", "seed 7", "90.0", "87.5", "-2.5", None)
-    assert m.group(8).startswith("; one seed is noisy")
-    assert m.groups()[8:13] == ("8.0", "0.50", "4.00", "4", "3.04")
+    assert (m["gap"], m["side"], m["se"], m["seeds"]) == ("2.5", "below", None, None)
+    assert m["verdict"].startswith(" on one seed, which cannot tell")
+    assert (m["acc_base"], m["acc_comp"], m["ratio"], m["mib_comp"], m["mib_base"], m["steps"],
+            m["bits"]) == ("90.00", "87.50", "8.0", "0.50", "4.00", "4", "3.04")
+    speed = SPEED_MODEL.search(out)
+    assert speed, out
+    assert speed["reason"] == "no cluster in this test"
+    # 1 MiB per step: 83.89 ms at 100 Mbit/s, 8.39 ms at 1 Gbit/s; 128 KiB an eighth of that
+    assert (speed["comp_kb"], speed["base_kb"]) == ("131.1", "1048.6")
+    assert (speed["c100"], speed["b100"], speed["c1g"], speed["b1g"], speed["ratio"]) == (
+        "10.49", "83.89", "1.05", "8.39", "8.0")
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert "<stdout>" not in out and "rank 1 logged" not in out     # only the demo's own lines
+    assert "absl" not in out and "oneDNN" not in out                # no start-up notices
 
 
-def test_cli_demo_reports_the_mean_over_its_seeds(tmp_path, monkeypatch, capsys):
+def test_cli_demo_reports_the_mean_over_its_seeds_with_its_standard_error(tmp_path,
+                                                                         monkeypatch, capsys):
     accuracy = {"none": {0: 0.95, 1: 0.94, 2: 0.96}, "alq": {0: 0.951, 1: 0.935, 2: 0.962}}
     calls = _fake_demo_runs(monkeypatch, bytes_per_step={"none": 80, "alq": 8},
                             accuracy=accuracy)
@@ -221,11 +274,53 @@ def test_cli_demo_reports_the_mean_over_its_seeds(tmp_path, monkeypatch, capsys)
     m = DEMO_LINE.search(out)
     assert m, out
     diffs = [0.1, -0.5, 0.2]                                  # ALQ − fp32 per seed, in points
-    assert m.groups()[:8] == ("0.1", "below", "mean over seeds 0, 1, 2", "95.0", "94.9",
-                              "-0.1", f"{np.std(diffs, ddof=1):.1f}", None)
-    assert m.group(12) == "12"                                # 3 seeds × 4 steps
+    se = np.std(diffs, ddof=1) / np.sqrt(3)                   # 0.22: the mean −0.07 is within
+    assert (m["within"], m["within_se"], m["seeds"]) == ("-0.07", f"{se:.2f}", "0, 1, 2")
+    assert (m["acc_base"], m["acc_comp"], m["steps"]) == ("95.00", "94.93", "12")  # 3 × 4
+    assert SPEED_MODEL.search(out), out
     for seed in range(3):
         assert f"seed {seed}: ALQ 3-bit" in out
+
+
+def test_cli_demo_names_a_gap_beyond_noise(tmp_path, monkeypatch, capsys):
+    accuracy = {"none": {0: 0.95, 1: 0.94, 2: 0.96}, "alq": {0: 0.94, 1: 0.928, 2: 0.952}}
+    _fake_demo_runs(monkeypatch, bytes_per_step={"none": 80, "alq": 8}, accuracy=accuracy)
+    assert cli.main(["demo", "--out", str(tmp_path), "--no-progress"]) == 0
+    m = DEMO_LINE.search(capsys.readouterr().out)
+    assert m and (m["gap"], m["se"], m["side"], m["verdict"]) == (
+        "1.00", "0.12", "below", ", beyond noise")
+
+
+def test_cli_demo_prints_the_measured_speedup_of_a_timed_cluster(tmp_path, monkeypatch,
+                                                                 capsys):
+    _fake_demo_runs(monkeypatch, bytes_per_step={"none": 80, "alq": 8}, cluster=FAKE_SPEED)
+    assert cli.main(["demo", "--out", str(tmp_path), "--seeds", "0,1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert DEMO_LINE.search(out), out
+    m = SPEED_MEASURED.search(out)
+    assert m, out
+    assert (m["hosts"], m["rate"], m["aq"], m["fp32"], m["speedup"], m["steps"], m["aq_mb"],
+            m["fp32_mb"]) == ("2", "100 Mbit/s", "0.050", "0.300", "6.0", "9", "0.34", "3.30")
+    assert not SPEED_MODEL.search(out)
+
+
+def test_cli_demo_falls_back_to_the_model_when_the_cluster_fails(tmp_path, monkeypatch,
+                                                                 capsys):
+    _fake_demo_runs(monkeypatch, bytes_per_step={"none": 80, "alq": 8},
+                    cluster="benchmarks/cluster.py exited with 2: no bridge")
+    assert cli.main(["demo", "--out", str(tmp_path), "--seeds", "0", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    m = SPEED_MODEL.search(out)
+    assert m and m["reason"] == "benchmarks/cluster.py exited with 2: no bridge", out
+    assert not SPEED_MEASURED.search(out)
+
+
+def test_cli_demo_speed_cluster_refuses_before_training_where_it_cannot(tmp_path, monkeypatch,
+                                                                         capsys):
+    calls = _fake_demo_runs(monkeypatch, bytes_per_step={"none": 8, "alq": 1})
+    assert cli.main(["demo", "--out", str(tmp_path), "--speed", "cluster"]) == 2
+    assert calls == []
+    assert "--speed cluster: no cluster in this test; or --speed model" in capsys.readouterr().err
 
 
 def test_cli_demo_refuses_runs_that_did_not_start_alike(tmp_path, monkeypatch, capsys):
@@ -243,6 +338,80 @@ def test_cli_demo_stops_at_a_failed_run(tmp_path, monkeypatch, capsys, fail):
     assert len(calls) == (1 if fail == "none" else 2)
     captured = capsys.readouterr()
     assert "demo done" not in captured.out and "failed (exit 3)" in captured.out
+
+
+# ------------------------------------------------ the demo's lines, from their pure functions
+def test_demo_headline_keeps_the_spread_and_says_within_noise_under_two_standard_errors():
+    kwargs = {"label": "ALQ 3-bit + error feedback", "base": "fp32", "seeds": [0, 1, 2],
+              "sent_base": 10 * 2**20, "sent_comp": 2**20, "steps": 930, "bits": 3.12}
+    line = cli.format_headline(acc_base=[96.0, 95.0, 97.0], acc_comp=[95.8, 95.1, 96.8],
+                               **kwargs)
+    m = DEMO_LINE.search(line)
+    assert m, line
+    se = np.std([-0.2, 0.1, -0.2], ddof=1) / np.sqrt(3)       # 0.10; the mean −0.10 is within
+    assert (m["within"], m["within_se"]) == ("-0.10", f"{se:.2f}")
+    assert "± " in line and "standard error of the paired difference" in line
+    line = cli.format_headline(acc_base=[96.0, 95.0, 97.0], acc_comp=[95.0, 94.1, 95.9],
+                               **kwargs)
+    m = DEMO_LINE.search(line)
+    assert m and (m["gap"], m["side"], m["verdict"]) == ("1.00", "below", ", beyond noise")
+    assert m["se"] == f"{np.std([-1.0, -0.9, -1.1], ddof=1) / np.sqrt(3):.2f}"
+    assert (m["ratio"], m["mib_comp"], m["mib_base"], m["steps"]) == ("10.0", "1.00", "10.00",
+                                                                      "930")
+
+
+@pytest.mark.parametrize("mean,se,verdict", [
+    (0.0, 0.0, "within noise"), (0.39, 0.2, "within noise"), (-0.41, 0.2, "below"),
+    (0.5, 0.2, "above"), (0.4, None, "one seed")])
+def test_demo_gap_phrase_is_within_noise_under_two_standard_errors(mean, se, verdict):
+    assert verdict in cli.gap_phrase(mean, se, label="ALQ 3-bit")
+
+
+def test_demo_speed_lines_measured_and_modelled():
+    result = {"results": [{"hosts": 2, "rate": 100.0, "params": 814_090, "summary": {
+        "hvd_fp32": {"median": 0.31, "steps": 9, "tx_mean": 3.31e6},
+        "defaults": {"median": 0.062, "steps": 9, "tx_mean": 3.5e5}}}]}
+    m = SPEED_MEASURED.search(cli.format_speed_measured(cli.cluster_speed(result)))
+    assert m and (m["aq"], m["fp32"], m["speedup"], m["steps"]) == ("0.062", "0.310", "5.0", "9")
+    line = cli.format_speed_model(label="ALQ 3-bit", base="fp32", bytes_comp=17_500,
+                                  bytes_base=175_000, reason="no root")
+    m = SPEED_MODEL.search(line)
+    assert m and (m["reason"], m["c100"], m["b100"], m["c1g"], m["b1g"], m["ratio"]) == (
+        "no root", "1.40", "14.00", "0.14", "1.40", "10.0")
+    assert cost.transfer_seconds(12.5e6, 100.0) == pytest.approx(1.0)      # 100 Mbit in 1 s
+    with pytest.raises(ValueError, match="positive"):
+        cost.transfer_seconds(1, 0)
+
+
+def test_demo_filters_tensorflow_and_absl_start_up_notices():
+    noise, problem = re.compile(cli.NOISE_LINE), re.compile(cli.PROBLEM_LINE)
+    for line in ("WARNING: All log messages before absl::InitializeLog() is called are "
+                 "written to STDERR",
+                 "I tensorflow/core/util/port.cc:153] oneDNN custom operations are on. You may "
+                 "see slightly different numerical results. To turn them off, set the "
+                 "environment variable `TF_ENABLE_ONEDNN_OPTS=0`."):
+        assert noise.search(line)
+    for line in ("WARNING horovod_aq.error_feedback: error memory 45x its gradient",
+                 "RuntimeError: Gloo timed out"):
+        assert problem.search(line) and not noise.search(line)
+    assert cli.DEMO_ENV["TF_CPP_MIN_LOG_LEVEL"] == "3"
+
+
+def test_cluster_script_takes_the_demo_s_rounds_with_quick_and_writes_json(tmp_path):
+    sys.path.insert(0, ROOT)
+    from benchmarks import cluster
+
+    args = cluster.parse_args(["--quick", "--modes", ",".join(cli.CLUSTER_MODES), "--rounds",
+                               str(cli.CLUSTER_ROUNDS), "--steps", str(cli.CLUSTER_STEPS),
+                               "--json", str(tmp_path / "c.json")])
+    assert (args.hosts, args.rates, args.modes) == ([2], [100.0], list(cli.CLUSTER_MODES))
+    assert (args.rounds, args.steps, args.warmup_rounds) == (cli.CLUSTER_ROUNDS,
+                                                            cli.CLUSTER_STEPS, 1)
+    assert args.json == str(tmp_path / "c.json")
+    quick = cluster.parse_args(["--quick"])
+    assert (quick.rounds, quick.steps) == (2, 2)
+    full = cluster.parse_args([])
+    assert (full.rounds, full.steps, full.warmup_rounds) == (5, 3, 1)
 
 
 def test_cli_levels_fits_and_plots(tmp_path, capsys):

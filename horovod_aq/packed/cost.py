@@ -58,6 +58,8 @@ MODES = FLAT_MODES + NODE_MODES
 EXCHANGES = ("auto",) + MODES
 #: From this many ranks on, "auto" always picks the two-phase exchange (docs/protocol.md §5.3).
 TWO_PHASE_MIN_RANKS = 16
+#: Bytes per second of a link of one Mbit/s (link rates are quoted in Mbit/s).
+BYTES_PER_MBIT = 1e6 / 8
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,15 @@ def payload_bytes_of(mode: str, numel: int, bits: int, bucket_size: int, ranks: 
     if mode == "two_phase":
         return ranks * payload_bytes(chunk_numel(numel, ranks, bucket_size), bits, bucket_size)
     return payload_bytes(numel, bits, bucket_size)
+
+
+def transfer_seconds(nbytes: float, mbit_per_s: float) -> float:
+    """The bandwidth term of the step-time model (module docstring): seconds for ``nbytes`` to
+    cross a link of ``mbit_per_s``, without latency, codec cost or overlap with compute. What
+    ``horovod-aq demo`` shows where it cannot time an emulated cluster."""
+    if mbit_per_s <= 0:
+        raise ValueError(f"mbit_per_s must be positive, got {mbit_per_s}")
+    return nbytes / (mbit_per_s * BYTES_PER_MBIT)
 
 
 def estimate_seconds(
