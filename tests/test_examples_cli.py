@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from horovod_aq.packed import cost
-from horovod_aq.tools import cli
+from horovod_aq.tools import cli, demo, demo_report
 from horovod_aq.tools.launcher import RANK_ENV, _horovodrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,7 +135,7 @@ def test_cli_demo_trains_fp32_and_alq_from_one_seed_and_compares(tmp_path, capfd
         argv = _logged_command(run_dir)
         assert _flag(argv, "--compression") == {"fp32": "none", "alq3": "alq"}[name]
         assert _flag(argv, "--seed") == "0" and "--no-progress" in argv
-        assert float(_flag(argv, "--lr")) == cli.DEMO_LR
+        assert float(_flag(argv, "--lr")) == demo.DEMO_LR
         with open(run_dir / "metrics.json") as f:
             runs[name] = json.load(f)
         with open(run_dir / "telemetry.jsonl") as f:
@@ -173,9 +173,9 @@ def test_cli_demo_trains_fp32_and_alq_from_one_seed_and_compares(tmp_path, capfd
 
 
 class _FakeHorovodrun:
-    """Stands in for ``subprocess.Popen`` of horovodrun: writes what the example writes
-    (metrics.json, telemetry) and prints rank-prefixed lines as horovodrun does, TensorFlow's
-    start-up notices among them."""
+    """Stands in for :func:`horovod_aq.tools.demo.launch` (the demo's seam for horovodrun):
+    writes what the example writes (metrics.json, telemetry) and prints rank-prefixed lines as
+    horovodrun does, TensorFlow's start-up notices among them."""
 
     def __init__(self, calls, accuracy, bytes_per_step, fingerprint, fail):
         self.calls, self.accuracy, self.bytes_per_step = calls, accuracy, bytes_per_step
@@ -213,7 +213,7 @@ class _FakeHorovodrun:
         return proc
 
 
-#: What the stand-in cluster timing returns (cli.cluster_speed's fields).
+#: What the stand-in cluster timing returns (demo_report.cluster_speed's fields).
 FAKE_SPEED = {"hosts": 2, "rate": 100.0, "params": 814_090, "steps": 9, "fp32_s": 0.3,
               "aq_s": 0.05, "fp32_bytes": 3.3e6, "aq_bytes": 3.4e5}
 
@@ -226,12 +226,12 @@ def _fake_demo_runs(monkeypatch, *, bytes_per_step: dict, fingerprint: dict | No
     calls: list[list[str]] = []
     accuracy = accuracy or {"none": {s: 0.9 for s in range(10)},
                             "alq": {s: 0.875 for s in range(10)}}
-    monkeypatch.setattr(cli.subprocess, "Popen",
+    monkeypatch.setattr(demo, "launch",
                         _FakeHorovodrun(calls, accuracy, bytes_per_step, fingerprint, fail))
-    monkeypatch.setattr(cli, "_horovodrun", lambda: "horovodrun")
-    monkeypatch.setattr(cli, "_cluster_unavailable",
+    monkeypatch.setattr(demo, "horovodrun_path", lambda: "horovodrun")
+    monkeypatch.setattr(demo, "cluster_unavailable",
                         lambda: "no cluster in this test" if cluster is None else None)
-    monkeypatch.setattr(cli, "_time_cluster", lambda out: cluster)
+    monkeypatch.setattr(demo, "time_cluster", lambda out: cluster)
     return calls
 
 
@@ -344,15 +344,15 @@ def test_cli_demo_stops_at_a_failed_run(tmp_path, monkeypatch, capsys, fail):
 def test_demo_headline_keeps_the_spread_and_says_within_noise_under_two_standard_errors():
     kwargs = {"label": "ALQ 3-bit + error feedback", "base": "fp32", "seeds": [0, 1, 2],
               "sent_base": 10 * 2**20, "sent_comp": 2**20, "steps": 930, "bits": 3.12}
-    line = cli.format_headline(acc_base=[96.0, 95.0, 97.0], acc_comp=[95.8, 95.1, 96.8],
-                               **kwargs)
+    line = demo_report.format_headline(acc_base=[96.0, 95.0, 97.0],
+                                       acc_comp=[95.8, 95.1, 96.8], **kwargs)
     m = DEMO_LINE.search(line)
     assert m, line
     se = np.std([-0.2, 0.1, -0.2], ddof=1) / np.sqrt(3)       # 0.10; the mean −0.10 is within
     assert (m["within"], m["within_se"]) == ("-0.10", f"{se:.2f}")
     assert "± " in line and "standard error of the paired difference" in line
-    line = cli.format_headline(acc_base=[96.0, 95.0, 97.0], acc_comp=[95.0, 94.1, 95.9],
-                               **kwargs)
+    line = demo_report.format_headline(acc_base=[96.0, 95.0, 97.0],
+                                       acc_comp=[95.0, 94.1, 95.9], **kwargs)
     m = DEMO_LINE.search(line)
     assert m and (m["gap"], m["side"], m["verdict"]) == ("1.00", "below", ", beyond noise")
     assert m["se"] == f"{np.std([-1.0, -0.9, -1.1], ddof=1) / np.sqrt(3):.2f}"
@@ -364,17 +364,18 @@ def test_demo_headline_keeps_the_spread_and_says_within_noise_under_two_standard
     (0.0, 0.0, "within noise"), (0.39, 0.2, "within noise"), (-0.41, 0.2, "below"),
     (0.5, 0.2, "above"), (0.4, None, "one seed")])
 def test_demo_gap_phrase_is_within_noise_under_two_standard_errors(mean, se, verdict):
-    assert verdict in cli.gap_phrase(mean, se, label="ALQ 3-bit")
+    assert verdict in demo_report.gap_phrase(mean, se, label="ALQ 3-bit")
 
 
 def test_demo_speed_lines_measured_and_modelled():
     result = {"results": [{"hosts": 2, "rate": 100.0, "params": 814_090, "summary": {
         "hvd_fp32": {"median": 0.31, "steps": 9, "tx_mean": 3.31e6},
         "defaults": {"median": 0.062, "steps": 9, "tx_mean": 3.5e5}}}]}
-    m = SPEED_MEASURED.search(cli.format_speed_measured(cli.cluster_speed(result)))
+    speed = demo_report.cluster_speed(result)
+    m = SPEED_MEASURED.search(demo_report.format_speed_measured(speed))
     assert m and (m["aq"], m["fp32"], m["speedup"], m["steps"]) == ("0.062", "0.310", "5.0", "9")
-    line = cli.format_speed_model(label="ALQ 3-bit", base="fp32", bytes_comp=17_500,
-                                  bytes_base=175_000, reason="no root")
+    line = demo_report.format_speed_model(label="ALQ 3-bit", base="fp32", bytes_comp=17_500,
+                                          bytes_base=175_000, reason="no root")
     m = SPEED_MODEL.search(line)
     assert m and (m["reason"], m["c100"], m["b100"], m["c1g"], m["b1g"], m["ratio"]) == (
         "no root", "1.40", "14.00", "0.14", "1.40", "10.0")
@@ -384,7 +385,7 @@ def test_demo_speed_lines_measured_and_modelled():
 
 
 def test_demo_filters_tensorflow_and_absl_start_up_notices():
-    noise, problem = re.compile(cli.NOISE_LINE), re.compile(cli.PROBLEM_LINE)
+    noise, problem = re.compile(demo.NOISE_LINE), re.compile(demo.PROBLEM_LINE)
     for line in ("WARNING: All log messages before absl::InitializeLog() is called are "
                  "written to STDERR",
                  "I tensorflow/core/util/port.cc:153] oneDNN custom operations are on. You may "
@@ -394,19 +395,19 @@ def test_demo_filters_tensorflow_and_absl_start_up_notices():
     for line in ("WARNING horovod_aq.error_feedback: error memory 45x its gradient",
                  "RuntimeError: Gloo timed out"):
         assert problem.search(line) and not noise.search(line)
-    assert cli.DEMO_ENV["TF_CPP_MIN_LOG_LEVEL"] == "3"
+    assert demo.DEMO_ENV["TF_CPP_MIN_LOG_LEVEL"] == "3"
 
 
 def test_cluster_script_takes_the_demo_s_rounds_with_quick_and_writes_json(tmp_path):
     sys.path.insert(0, ROOT)
     from benchmarks import cluster
 
-    args = cluster.parse_args(["--quick", "--modes", ",".join(cli.CLUSTER_MODES), "--rounds",
-                               str(cli.CLUSTER_ROUNDS), "--steps", str(cli.CLUSTER_STEPS),
+    args = cluster.parse_args(["--quick", "--modes", ",".join(demo.CLUSTER_MODES), "--rounds",
+                               str(demo.CLUSTER_ROUNDS), "--steps", str(demo.CLUSTER_STEPS),
                                "--json", str(tmp_path / "c.json")])
-    assert (args.hosts, args.rates, args.modes) == ([2], [100.0], list(cli.CLUSTER_MODES))
-    assert (args.rounds, args.steps, args.warmup_rounds) == (cli.CLUSTER_ROUNDS,
-                                                            cli.CLUSTER_STEPS, 1)
+    assert (args.hosts, args.rates, args.modes) == ([2], [100.0], list(demo.CLUSTER_MODES))
+    assert (args.rounds, args.steps, args.warmup_rounds) == (demo.CLUSTER_ROUNDS,
+                                                            demo.CLUSTER_STEPS, 1)
     assert args.json == str(tmp_path / "c.json")
     quick = cluster.parse_args(["--quick"])
     assert (quick.rounds, quick.steps) == (2, 2)
