@@ -88,7 +88,8 @@ def imagenet_pattern(directory: str, epochs: int):
         def emit(self, record):
             lines.append(record.getMessage())
 
-    logging.getLogger("horovod_aq").addHandler(Grab(level=logging.INFO))
+    grab = Grab(level=logging.INFO)
+    logging.getLogger("horovod_aq").addHandler(grab)
     logging.getLogger("horovod_aq").setLevel(logging.INFO)
     out = {}
     for bits in BITS:
@@ -129,7 +130,14 @@ def imagenet_pattern(directory: str, epochs: int):
                      "fingerprint": _fingerprint(torch, model, opt),
                      "save_seconds": save_seconds}
     out["lines"] = lines
+    logging.getLogger("horovod_aq").removeHandler(grab)   # a later check of the launch has its own
     return out
+
+
+def imagenet_first_epochs(directory: str, epochs: int):
+    """:func:`imagenet_pattern` as the second check of a launch (the first part of a resumed
+    run, in its own directory)."""
+    return imagenet_pattern(directory, epochs)
 
 
 def uneven_join(steps: tuple[int, ...]):
@@ -179,18 +187,17 @@ def uneven_join(steps: tuple[int, ...]):
 # ---------------------------------------------------------------- launches
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Three epochs in one launch; two epochs (saved on rank 0), then a new launch that resumes
-    from the latest checkpoint and trains the third."""
+    """Three epochs, then (in the same launch, into another directory) two epochs saved on rank
+    0; a new launch resumes from the latest checkpoint and trains the third."""
     env = {"HOROVOD_AQ_STALL_TIMEOUT_S": str(STALL_S)}
     straight = tmp_path_factory.mktemp("straight")
     resumed = tmp_path_factory.mktemp("resumed")
-    run = run_local([(imagenet_pattern, {"directory": str(straight), "epochs": EPOCHS})], np=2,
-                    controller="gloo", timeout=300, env=env)
-    first = run_local([(imagenet_pattern, {"directory": str(resumed), "epochs": EPOCHS - 1})],
-                      np=2, controller="gloo", timeout=300, env=env)
+    run = run_local([(imagenet_pattern, {"directory": str(straight), "epochs": EPOCHS}),
+                     (imagenet_first_epochs, {"directory": str(resumed), "epochs": EPOCHS - 1})],
+                    np=2, controller="gloo", timeout=300, env=env)
     second = run_local([(imagenet_pattern, {"directory": str(resumed), "epochs": EPOCHS})],
                        np=2, controller="gloo", timeout=300, env=env)
-    return {"straight": run.get(imagenet_pattern), "first": first.get(imagenet_pattern),
+    return {"straight": run.get(imagenet_pattern), "first": run.get(imagenet_first_epochs),
             "second": second.get(imagenet_pattern)}
 
 

@@ -134,6 +134,31 @@ def misconfigured(kind: str):
     return "no error"
 
 
+def nonfinite_stops(exchange: str):
+    """Two healthy steps, then an Inf gradient on rank 1 only: the error every rank raises."""
+    torch, hvd = init_torch()
+    import torch.nn.functional as F
+
+    import horovod_aq
+
+    model = tiny_model(torch, 0)
+    opt = _opt(torch, model, horovod_aq.QSGD(bits=3, bucket_size=64), exchange=exchange)
+    for step in range(2):  # healthy steps first
+        x, y = _batch(torch, hvd.rank(), step)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return _raise_once(torch, hvd, F, model, opt)
+
+
+def nonfinite_allgather():
+    return nonfinite_stops("allgather")
+
+
+def nonfinite_two_phase():
+    return nonfinite_stops("two_phase")
+
+
 def misconfig_bucket_size():
     return misconfigured("bucket_size")
 
@@ -166,7 +191,8 @@ def train_steps(first: int, last: int, checkpoint: str | None = None, save: str 
         def emit(self, record):
             warnings.append(record.getMessage())
 
-    logging.getLogger("horovod_aq").addHandler(Grab(level=logging.WARNING))
+    grab = Grab(level=logging.WARNING)
+    logging.getLogger("horovod_aq").addHandler(grab)
     model = tiny_model(torch, 0)
     comp = horovod_aq.ErrorFeedback(horovod_aq.ALQ(bits=3, bucket_size=64, schedule="0,4,0"))
     opt = _opt(torch, model, comp, exchange="two_phase")
@@ -184,9 +210,15 @@ def train_steps(first: int, last: int, checkpoint: str | None = None, save: str 
         if hvd.rank() == 0:                # Horovod's pattern: state_dict() on rank 0 only
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, save)
         hvd.barrier()
+    logging.getLogger("horovod_aq").removeHandler(grab)   # a later check has its own
     return {"weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy(),
             "table": comp.table.levels, "version": comp.table.version, "step": comp.step,
             "memory_norm": comp.memory_norm(), "warnings": warnings}
+
+
+def train_and_save(last: int, save: str):
+    """:func:`train_steps` from step 0 to ``last``, saved (a second check of the same launch)."""
+    return train_steps(0, last, save=save)
 
 
 def rank_dies():
@@ -209,8 +241,11 @@ def rank_dies():
     return "finished"
 
 
+#: One launch per controller runs them all; the checks that end in an error on every rank come
+#: after the ones that train on.
 CHECKS = [nonfinite_skip_consistently, stock_nonfinite_skip, misconfig_bucket_size,
-          misconfig_method, misconfig_parameters, misconfig_table_version]
+          misconfig_method, misconfig_parameters, misconfig_table_version, nonfinite_allgather,
+          nonfinite_two_phase]
 
 
 @pytest.fixture(scope="module", params=launches.params(["gloo", "mpi"], slow=["mpi"]))
@@ -224,28 +259,11 @@ def _same_error_everywhere(messages, *needles):
         assert needle in messages[0], messages[0]
 
 
-@pytest.mark.parametrize("exchange", ["allgather", "two_phase"])
-@pytest.mark.parametrize("controller", launches.params(["gloo", "mpi"], slow=["mpi"]))
-def test_nonfinite_gradient_stops_every_rank(controller, exchange, request):
-    def check():
-        torch, hvd = init_torch()
-        import torch.nn.functional as F
-
-        import horovod_aq
-
-        model = tiny_model(torch, 0)
-        opt = _opt(torch, model, horovod_aq.QSGD(bits=3, bucket_size=64), exchange=exchange)
-        for step in range(2):  # healthy steps first
-            x, y = _batch(torch, hvd.rank(), step)
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        return _raise_once(torch, hvd, F, model, opt)
-
-    check.__qualname__ = f"nonfinite_{exchange}"
-    messages = run_local([check], np=2, controller=controller, timeout=300).get(check)
+@pytest.mark.parametrize("check", [nonfinite_allgather, nonfinite_two_phase])
+def test_nonfinite_gradient_stops_every_rank(launch, check):
+    messages = launch.get(check)
     _same_error_everywhere(messages, "NonFiniteGradientError", "rank 1")
-    if exchange == "allgather":   # the marker carries the element index → parameter name
+    if check is nonfinite_allgather:   # the marker carries the element index → parameter name
         assert "for parameter '" in messages[0], messages[0]
 
 
@@ -290,10 +308,12 @@ def test_dead_rank_ends_the_job_and_is_named(controller):
 
 def test_checkpoint_resume_is_bit_identical(tmp_path):
     ckpt = str(tmp_path / "ckpt.pt")
-    straight = run_local([(train_steps, {"first": 0, "last": 7})], np=2, controller="gloo",
-                         timeout=300).get("train_steps")
-    run_local([(train_steps, {"first": 0, "last": 3, "save": ckpt})], np=2, controller="gloo",
-              timeout=300).get("train_steps")
+    # one launch: the uninterrupted run, then a new run of 3 steps that saves its checkpoint
+    straight = run_local([(train_steps, {"first": 0, "last": 7}),
+                          (train_and_save, {"last": 3, "save": ckpt})], np=2, controller="gloo",
+                         timeout=300)
+    straight.get("train_and_save")
+    straight = straight.get("train_steps")
     resumed = run_local([(train_steps, {"first": 3, "last": 7, "checkpoint": ckpt})], np=2,
                         controller="mpi", timeout=300).get("train_steps")
     for a, b in zip(straight, resumed):
