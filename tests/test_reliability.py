@@ -216,6 +216,12 @@ def train_steps(first: int, last: int, checkpoint: str | None = None, save: str 
             "memory_norm": comp.memory_norm(), "warnings": warnings}
 
 
+def sleep_long():
+    init_torch()
+    time.sleep(120)
+    return "woke"
+
+
 def train_and_save(last: int, save: str):
     """:func:`train_steps` from step 0 to ``last``, saved (a second check of the same launch)."""
     return train_steps(0, last, save=save)
@@ -292,6 +298,33 @@ def test_stock_path_skip_sends_nan_to_everyone(launch):
 def test_misconfiguration_fails_everywhere_with_one_message(launch, check, words):
     messages = launch.get(check)
     _same_error_everywhere(messages, "ConfigMismatchError", *words)
+
+
+@pytest.mark.parametrize("controller", launches.params(["gloo", "mpi"], slow=["mpi"]))
+def test_an_interrupted_caller_leaves_no_rank_behind(controller):
+    """A test runner's timeout signal (or Ctrl-C) arriving while run_local waits kills the
+    launch's processes: ranks in their own session would otherwise spin on after the caller."""
+    import signal
+
+    import psutil
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(20)          # the ranks are up and asleep in the check by then
+    try:
+        with pytest.raises(Interrupted):
+            run_local([sleep_long], np=2, controller=controller, timeout=300)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not left, [(p.pid, p.name()) for p in left]
 
 
 @pytest.mark.parametrize("controller", launches.params(["gloo", "mpi"], slow=["mpi"]))

@@ -9,7 +9,9 @@ TensorFlow), and returns, for each function, each rank's return value or traceba
 Guarantees:
 
 * **No hangs.** The whole launch has a hard wall-clock timeout; on expiry every process of the
-  launch is killed and :class:`LaunchError` carries the output gathered so far.
+  launch is killed and :class:`LaunchError` carries the output gathered so far. A caller
+  interrupted while it waits (Ctrl-C, a test runner's timeout signal) kills the launch's
+  processes before the exception goes on.
 * **One thread per rank** (``OMP_NUM_THREADS=1`` …; helpers in the functions set the framework
   thread pools) and generous Gloo/start timeouts, because CI machines are slow and noisy.
 * **Every traceback.** When a function fails on any rank, :meth:`LaunchResult.get` raises with
@@ -200,6 +202,11 @@ def run_local(
                     f"{np}-rank {controller} launch exceeded {timeout:.0f}s and was killed; "
                     f"last output:\n{_tail(log_path)}"
                 ) from None
+            except BaseException:
+                # interrupted while waiting (Ctrl-C, pytest-timeout's signal): the ranks run in
+                # their own session and would outlive the caller, spinning in a collective
+                kill_tree(proc.pid)
+                raise
         logger.debug("launch of %d checks on %d ranks took %.1fs", len(checks), np,
                      time.monotonic() - t0)
         outcomes: dict[str, list[Any]] = {n: [None] * np for n in names}
@@ -279,6 +286,9 @@ def run_elastic(
                 raise LaunchError(f"elastic launch ({min_np}..{max_np} ranks) exceeded "
                                   f"{timeout:.0f}s and was killed; last output:\n"
                                   f"{_tail(log_path)}") from None
+            except BaseException:   # interrupted while waiting: no rank outlives the caller
+                kill_tree(proc.pid)
+                raise
         with open(log_path, encoding="utf-8", errors="replace") as f:
             return ElasticRun(rc, f.read())
 
