@@ -75,7 +75,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import report
+from benchmarks import forced_wires, report
 from horovod_aq.tools.launcher import kill_tree
 
 MODES = {
@@ -83,12 +83,7 @@ MODES = {
     "hvd_fp32": "Horovod allreduce fp32 (Compression.none)",
     "hvd_fp16": "Horovod allreduce fp16 (Compression.fp16)",
     "defaults": "horovod_aq ALQ(bits=3), every default",
-    "allgather": "defaults + exchange=\"allgather\", wire=\"fixed\"",
-    "two_phase": "defaults + exchange=\"two_phase\", wire=\"fixed\"",
-    "allgather_entropy": "defaults + exchange=\"allgather\", wire=\"entropy\"",
-    "two_phase_entropy": "defaults + exchange=\"two_phase\", wire=\"entropy\"",
-    "node_allgather": "defaults + exchange=\"node_allgather\", wire=\"fixed\"",
-    "node_two_phase": "defaults + exchange=\"node_two_phase\", wire=\"fixed\"",
+    **forced_wires.LABELS,
     "plain_two_phase": "two_phase + error_feedback=False",
     "b8192_two_phase": "ALQ(bits=3, bucket_size=8192), error_feedback=False, two_phase, fixed",
 }
@@ -96,12 +91,7 @@ MODES = {
 #: the compressor).
 PACKED = {
     "defaults": {},
-    "allgather": {"exchange": "allgather", "wire": "fixed"},
-    "two_phase": {"exchange": "two_phase", "wire": "fixed"},
-    "allgather_entropy": {"exchange": "allgather", "wire": "entropy"},
-    "two_phase_entropy": {"exchange": "two_phase", "wire": "entropy"},
-    "node_allgather": {"exchange": "node_allgather", "wire": "fixed"},
-    "node_two_phase": {"exchange": "node_two_phase", "wire": "fixed"},
+    **forced_wires.FORCED,
     "plain_two_phase": {"exchange": "two_phase", "wire": "fixed", "error_feedback": False},
     "b8192_two_phase": {"exchange": "two_phase", "wire": "fixed", "error_feedback": False,
                         "bucket_size": 8192},

@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import report  # noqa: E402
+from benchmarks import forced_wires, report  # noqa: E402
 from horovod_aq.tools.launcher import kill_tree  # noqa: E402
 
 MODES = {
@@ -61,23 +61,13 @@ MODES = {
     "powersgd_r2": "DDP PowerSGD hook, rank 2",
     "powersgd_r4": "DDP PowerSGD hook, rank 4",
     "defaults": "horovod_aq hook, ALQ(bits=3), every default",
-    "allgather": "defaults + exchange=\"allgather\", wire=\"fixed\"",
-    "two_phase": "defaults + exchange=\"two_phase\", wire=\"fixed\"",
-    "allgather_entropy": "defaults + exchange=\"allgather\", wire=\"entropy\"",
-    "two_phase_entropy": "defaults + exchange=\"two_phase\", wire=\"entropy\"",
-    "node_allgather": "defaults + exchange=\"node_allgather\", wire=\"fixed\"",
-    "node_two_phase": "defaults + exchange=\"node_two_phase\", wire=\"fixed\"",
+    **forced_wires.LABELS,
     "b8192_auto": "ALQ(bits=3, bucket_size=8192), error_feedback=False, wire=\"fixed\"",
 }
 #: The hook modes' arguments beyond ``ALQ(bits=...)`` (``bucket_size`` goes to the compressor).
 HOOKED = {
     "defaults": {},
-    "allgather": {"exchange": "allgather", "wire": "fixed"},
-    "two_phase": {"exchange": "two_phase", "wire": "fixed"},
-    "allgather_entropy": {"exchange": "allgather", "wire": "entropy"},
-    "two_phase_entropy": {"exchange": "two_phase", "wire": "entropy"},
-    "node_allgather": {"exchange": "node_allgather", "wire": "fixed"},
-    "node_two_phase": {"exchange": "node_two_phase", "wire": "fixed"},
+    **forced_wires.FORCED,
     "b8192_auto": {"wire": "fixed", "error_feedback": False, "bucket_size": 8192},
 }
 #: The modes a run measures unless --modes says otherwise.
