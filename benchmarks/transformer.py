@@ -17,7 +17,7 @@ over the validation text, and at the end on all 726 windows.
 ``horovodrun --gloo``): DDP's fp32 allreduce, PyTorch's ``fp16_compress_hook`` and
 ``bf16_compress_hook``, horovod_aq's hook with ``ALQ(bits=b)`` at its defaults (b = 2, 3, 4;
 error feedback on at ≤ 3 bits, ``wire="auto"``), the same without error feedback at 2 and 3
-bits ("plain"), ``DQSGD(target_bits=3)`` at the hook's defaults, PowerSGD (error feedback, warm
+bits ("plain") and at 2 bits with buckets of 64 coordinates, ``DQSGD(target_bits=3)`` at the hook's defaults, PowerSGD (error feedback, warm
 start, from step 2, one DDP bucket) at the rank whose bytes per step are closest to "ALQ 3b"'s
 (:func:`benchmarks.ddp_accuracy.choose_rank` on PyTorch's compression rule, from the first stored
 "ALQ 3b" run's steady bytes, then kept for every seed) and at :data:`POWERSGD_LARGER_RANK`, and
@@ -93,6 +93,9 @@ ROWS: dict[str, tuple[str, list[str], str]] = {
                      "hook, ALQ(bits=2), error_feedback=False"),
     "ALQ 3b plain": ("ddp", ["--compression", "alq", "--bits", "3", "--error-feedback", "off"],
                      "hook, ALQ(bits=3), error_feedback=False"),
+    "ALQ 2b plain B=64": ("ddp", ["--compression", "alq", "--bits", "2", "--error-feedback",
+                                  "off", "--bucket-size", "64"],
+                          "hook, ALQ(bits=2, bucket_size=64), error_feedback=False"),
     "DQSGD target 3": ("ddp", ["--compression", "dqsgd", "--bits", "3"],
                 "hook, DQSGD(target_bits=3) defaults (error feedback)"),
     MATCHED: ("ddp", ["--ddp-hook", "powersgd"], "PowerSGD, rank matched in bytes to ALQ 3b"),
