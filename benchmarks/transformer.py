@@ -16,12 +16,15 @@ over the validation text, and at the end on all 726 windows.
 **Rows** (:data:`ROWS`; DDP under ``torchrun --standalone`` unless marked Horovod, then
 ``horovodrun --gloo``): DDP's fp32 allreduce, PyTorch's ``fp16_compress_hook`` and
 ``bf16_compress_hook``, horovod_aq's hook with ``ALQ(bits=b)`` at its defaults (b = 2, 3, 4;
-error feedback on at ≤ 3 bits, ``wire="auto"``), the same without error feedback at 2 and 3
-bits ("plain") and at 2 bits with buckets of 64 coordinates, ``DQSGD(target_bits=3)`` at the hook's defaults, PowerSGD (error feedback, warm
-start, from step 2, one DDP bucket) at the rank whose bytes per step are closest to "ALQ 3b"'s
-(:func:`benchmarks.ddp_accuracy.choose_rank` on PyTorch's compression rule, from the first stored
-"ALQ 3b" run's steady bytes, then kept for every seed) and at :data:`POWERSGD_LARGER_RANK`, and
-Horovod's packed optimizer with fp32 (``NoCompression``) and ALQ 3-bit defaults.
+``wire="auto"``; the hook is given the AdamW optimizer, so ``error_feedback="auto"`` sends the
+plain quantizer, docs/quantizers.md §5.11), the same with ``error_feedback=True`` at 2 and 3 bits
+("EF", what "auto" chose before it knew the optimizer), without it ("plain") and at 2 bits with
+buckets of 64 coordinates, ``DQSGD(target_bits=3)`` at the hook's defaults, PowerSGD (error
+feedback, warm start, from step 2, one DDP bucket) at the rank whose bytes per step are closest
+to "ALQ 3b"'s (:func:`benchmarks.ddp_accuracy.choose_rank` on PyTorch's compression rule, from
+the first stored "ALQ 3b" run's steady bytes, then kept for every seed) and at
+:data:`POWERSGD_LARGER_RANK`, and Horovod's packed optimizer with fp32 (``NoCompression``) and
+ALQ 2- and 3-bit defaults.
 
 **Seeds**: seed s fixes the initial weights (identical in every row) and each rank's data order
 (``seed*1000 + rank``). Every (row, seed) is one launch; the report and its .json are rewritten
@@ -85,10 +88,14 @@ ROWS: dict[str, tuple[str, list[str], str]] = {
     "fp16": ("ddp", ["--ddp-hook", "fp16"], "PyTorch fp16_compress_hook"),
     "bf16": ("ddp", ["--ddp-hook", "bf16"], "PyTorch bf16_compress_hook"),
     "ALQ 2b": ("ddp", ["--compression", "alq", "--bits", "2"],
-               "hook, ALQ(bits=2) defaults (error feedback)"),
+               "hook, ALQ(bits=2) defaults (AdamW: no error feedback)"),
     "ALQ 3b": ("ddp", ["--compression", "alq", "--bits", "3"],
-               "hook, ALQ(bits=3) defaults (error feedback)"),
+               "hook, ALQ(bits=3) defaults (AdamW: no error feedback)"),
     "ALQ 4b": ("ddp", ["--compression", "alq", "--bits", "4"], "hook, ALQ(bits=4) defaults"),
+    "ALQ 2b EF": ("ddp", ["--compression", "alq", "--bits", "2", "--error-feedback", "on"],
+                  "hook, ALQ(bits=2), error_feedback=True"),
+    "ALQ 3b EF": ("ddp", ["--compression", "alq", "--bits", "3", "--error-feedback", "on"],
+                  "hook, ALQ(bits=3), error_feedback=True"),
     "ALQ 2b plain": ("ddp", ["--compression", "alq", "--bits", "2", "--error-feedback", "off"],
                      "hook, ALQ(bits=2), error_feedback=False"),
     "ALQ 3b plain": ("ddp", ["--compression", "alq", "--bits", "3", "--error-feedback", "off"],
@@ -97,13 +104,15 @@ ROWS: dict[str, tuple[str, list[str], str]] = {
                                   "off", "--bucket-size", "64"],
                           "hook, ALQ(bits=2, bucket_size=64), error_feedback=False"),
     "DQSGD target 3": ("ddp", ["--compression", "dqsgd", "--bits", "3"],
-                "hook, DQSGD(target_bits=3) defaults (error feedback)"),
+                "hook, DQSGD(target_bits=3) defaults"),
     MATCHED: ("ddp", ["--ddp-hook", "powersgd"], "PowerSGD, rank matched in bytes to ALQ 3b"),
     f"PowerSGD r={POWERSGD_LARGER_RANK}": (
         "ddp", ["--ddp-hook", "powersgd", "--powersgd-rank", str(POWERSGD_LARGER_RANK)],
         "PowerSGD, a larger rank"),
     "Horovod packed fp32": ("horovod", ["--compression", "none"],
                             "horovod_aq.torch.DistributedOptimizer, NoCompression"),
+    "Horovod packed ALQ 2b": ("horovod", ["--compression", "alq", "--bits", "2"],
+                              "horovod_aq.torch.DistributedOptimizer, ALQ(bits=2) defaults"),
     "Horovod packed ALQ 3b": ("horovod", ["--compression", "alq", "--bits", "3"],
                               "horovod_aq.torch.DistributedOptimizer, ALQ(bits=3) defaults"),
 }

@@ -66,10 +66,11 @@ def error_feedback(args: argparse.Namespace) -> bool | str:
     return ERROR_FEEDBACK[args.error_feedback]
 
 
-def make_compressor(args: argparse.Namespace) -> horovod_aq.Compressor:
-    """The compressor of the flags, with error feedback as the packed exchange will use it (so
-    titles and reports name it); on ``--exchange stock`` only ``--error-feedback on`` adds it
-    (and Horovod's hook then refuses it, saying why)."""
+def make_compressor(args: argparse.Namespace, optimizer: Any = None) -> horovod_aq.Compressor:
+    """The compressor of the flags, with error feedback as the packed exchange will use it for
+    the local ``optimizer`` (so titles and reports name it; "auto" leaves it out under Adam and
+    AdamW, docs/quantizers.md §5.11); on ``--exchange stock`` only ``--error-feedback on`` adds
+    it (and Horovod's hook then refuses it, saying why)."""
     kwargs: dict[str, Any] = {"bits": args.bits, "seed": args.seed}
     if args.bucket_size is not None:
         kwargs["bucket_size"] = args.bucket_size
@@ -80,7 +81,7 @@ def make_compressor(args: argparse.Namespace) -> horovod_aq.Compressor:
     comp = horovod_aq.from_name(args.compression, **kwargs)
     if args.exchange == "stock":
         return horovod_aq.ErrorFeedback(comp) if args.error_feedback == "on" else comp
-    return error_feedback_setting.resolve(comp, error_feedback(args))
+    return error_feedback_setting.resolve(comp, error_feedback(args), optimizer)
 
 
 def make_telemetry(args: argparse.Namespace, rank: int, framework: str) -> Telemetry:

@@ -130,7 +130,7 @@ class Horovod:
 
         hvd = self.hvd
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        compression = common.make_compressor(args)
+        compression = common.make_compressor(args, base)
         if args.exchange == "stock":
             stock = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
             opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
@@ -199,8 +199,9 @@ class DDP:
         if self.hook == "bf16":
             net.register_comm_hook(None, bf16_compress)
             return net, base, None, "DDP bf16_compress_hook"
-        state = aqddp.register(net, common.make_compressor(args), exchange=args.exchange,
-                               telemetry=telemetry, error_feedback=common.error_feedback(args))
+        state = aqddp.register(net, common.make_compressor(args, base), exchange=args.exchange,
+                               telemetry=telemetry, error_feedback=common.error_feedback(args),
+                               optimizer=base)
         return net, base, state.compression, f"DDP hook, {common.label(state.compression)}"
 
     def _counted_powersgd(self, state, bucket):

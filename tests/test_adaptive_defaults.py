@@ -98,6 +98,11 @@ def test_auto_error_feedback_is_on_up_to_three_bits_and_off_at_four():
     assert QuantizedHookState(four).compression is four
     off = QuantizedHookState(horovod_aq.ALQ(bits=3), error_feedback=False)
     assert off.compression.error_memory is None
+    import torch
+
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])   # §5.11
+    three = horovod_aq.ALQ(bits=3)
+    assert QuantizedHookState(three, optimizer=adamw).compression is three
 
 
 def test_demo_sim_stops_a_diverging_run_and_says_where():

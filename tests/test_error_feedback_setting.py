@@ -92,6 +92,42 @@ def test_one_wrapper_per_compressor_and_one_log_line(caplog):
     assert "docs/quantizers.md §5.9" in lines[0]
 
 
+@pytest.mark.parametrize("name, adaptive", [
+    ("SGD", False), ("Adam", True), ("AdamW", True), ("RMSprop", True), ("Adagrad", True),
+    ("NAdam", True), ("MyAdamW", True), (None, False)])
+def test_auto_sends_the_plain_quantizer_under_an_adaptive_optimizer(name, adaptive, caplog):
+    """docs/quantizers.md §5.11: error feedback costs accuracy under AdamW, so "auto" leaves it
+    out where the entry point knows the optimizer is adaptive; True still forces it."""
+    torch = pytest.importorskip("torch")
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    if name == "MyAdamW":                              # a user's subclass: by its bases
+        cls = type("MyAdamW", (torch.optim.AdamW,), {})
+    else:
+        cls = None if name is None else getattr(torch.optim, name)
+    optimizer = None if cls is None else cls(params, lr=0.1)
+    assert setting.adaptive(optimizer) is adaptive
+    comp = horovod_aq.ALQ(bits=2)
+    with caplog.at_level(logging.INFO, logger="horovod_aq.error_feedback_setting"):
+        got = setting.resolve(comp, "auto", optimizer)
+    assert (got is comp) is adaptive
+    assert setting.wanted(comp, optimizer) is not adaptive
+    lines = [r.getMessage() for r in caplog.records]
+    if adaptive:
+        assert len(lines) == 1 and "error feedback off" in lines[0], lines
+        assert "§5.11" in lines[0] and "error_feedback=True" in lines[0]
+    forced = setting.resolve(comp, True, optimizer)
+    assert isinstance(forced, ErrorFeedback) and forced.quantizer is comp
+    four = horovod_aq.ALQ(bits=4)                  # no error feedback at 4 bits either way
+    assert setting.resolve(four, "auto", optimizer) is four
+
+
+def test_a_loss_scale_optimizer_is_judged_by_its_inner_optimizer():
+    torch = pytest.importorskip("torch")
+    inner = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+    wrapper = type("LossScaleOptimizer", (), {"inner_optimizer": inner})()
+    assert setting.adaptive(wrapper) and not setting.adaptive(object())
+
+
 def test_the_wrapper_is_what_the_ranks_compare():
     """Every rank decides from the same settings, and the handshake digest sees the wrapper."""
     a, b = setting.resolve(horovod_aq.ALQ(bits=2)), setting.resolve(horovod_aq.ALQ(bits=2))

@@ -295,15 +295,17 @@ def dqsgd_bits_agree(steps: int = 25):
         r.bits for r in opt.telemetry.history]}
 
 
-def _three_recorded_steps(torch, hvd, comp, **kwargs):
-    """Three allgather steps (lr 0) of the tiny model with ``comp``: the optimizer, its
-    EncodeRecorder, and each step's local gradients (of a fresh reference model)."""
+def _three_recorded_steps(torch, hvd, comp, base=None, **kwargs):
+    """Three allgather steps (lr 0) of the tiny model with ``comp`` and the local optimizer
+    class ``base`` (default SGD): the optimizer, its EncodeRecorder, and each step's local
+    gradients (of a fresh reference model)."""
     import torch.nn.functional as F
 
     import horovod_aq.torch as aqt
 
     model = tiny_model(torch, 0)
-    opt = aqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+    base = torch.optim.SGD if base is None else base
+    opt = aqt.DistributedOptimizer(base(model.parameters(), lr=0.0),
                                    model.named_parameters(), comp, exchange="allgather",
                                    fusion_bytes=FUSION_BYTES, **kwargs)
     rec = EncodeRecorder(opt.wire)
@@ -343,13 +345,15 @@ def ecq_packed():
 def ef_auto_two_bits():
     """The default error_feedback="auto" with ALQ 2-bit: the optimizer trains
     ErrorFeedback(ALQ) (each rank encodes g + α·h, the memory is non-zero, in telemetry and in
-    the checkpoint); with error_feedback=False the same quantizer is sent plain."""
+    the checkpoint); with error_feedback=False the same quantizer is sent plain, and so it is
+    under "auto" around AdamW (docs/quantizers.md §5.11)."""
     torch, hvd = init_torch()
 
     import horovod_aq
 
     out = {}
-    for label, kwargs in (("auto", {}), ("off", {"error_feedback": False})):
+    for label, kwargs in (("auto", {}), ("off", {"error_feedback": False}),
+                          ("adamw", {"base": torch.optim.AdamW})):
         comp = horovod_aq.ALQ(bits=2, bucket_size=BUCKET, seed=7, schedule="0")
         opt, rec, grads = _three_recorded_steps(torch, hvd, comp, **kwargs)
         used = opt.compression
@@ -855,7 +859,8 @@ def test_ecq_on_the_packed_path(launch):
 
 @pytest.mark.reads("ef_auto_two_bits")
 def test_auto_error_feedback_trains_with_memory_at_two_bits(launch):
-    """docs/quantizers.md §5.9: fails if the default stopped adding error feedback at 2 bits."""
+    """docs/quantizers.md §5.9: fails if the default stopped adding error feedback at 2 bits
+    under SGD, or added it under AdamW (§5.11)."""
     results = _get(launch, ef_auto_two_bits)
     for r in results:
         auto, off = r["auto"], r["off"]
@@ -863,11 +868,14 @@ def test_auto_error_feedback_trains_with_memory_at_two_bits(launch):
         assert auto["beta"] == 0.9 and 0 < auto["alpha"] < 0.9    # derived from γ, not 0.2
         assert auto["ef_norm"] > 0 and auto["saved_memory_norm"] > 0
         _assert_ecq_encoded(auto, _table(auto), auto["alpha"], auto["beta"])
-        assert (off["type"], off["ef_norm"], off["saved_memory_norm"]) == ("ALQ", None, 0.0)
-        for name, numel, mode, params in off["buckets"]:   # the plain gradient was encoded
-            for step, (_, _, inp, _) in enumerate(e for e in off["entries"] if e[0] == name):
-                g = np.concatenate([off["local"][step][n].ravel() for n in params])
-                np.testing.assert_allclose(inp, g, rtol=0, atol=1e-6)
+        for plain in (off, r["adamw"]):    # error_feedback=False; "auto" around AdamW
+            assert (plain["type"], plain["ef_norm"], plain["saved_memory_norm"]) == (
+                "ALQ", None, 0.0)
+            for name, numel, mode, params in plain["buckets"]:   # the plain gradient is encoded
+                for step, (_, _, inp, _) in enumerate(
+                        e for e in plain["entries"] if e[0] == name):
+                    g = np.concatenate([plain["local"][step][n].ravel() for n in params])
+                    np.testing.assert_allclose(inp, g, rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------- the entropy-coded wire

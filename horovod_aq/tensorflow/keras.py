@@ -310,8 +310,9 @@ def DistributedOptimizer(
     copy; ``device_dense``, ``device_sparse``, ``gradient_predivide_factor``, ``num_groups`` and
     ``groups`` accept only Horovod's defaults. A ``LossScaleOptimizer`` is rebuilt around a
     distributed copy of its inner optimizer. ``error_feedback``: "auto" (the default) wraps a
-    quantizer of at most 3 bits per code in ``horovod_aq.ErrorFeedback``, True any quantizer,
-    False none (docs/quantizers.md §5.9); ``compression`` is the compressor used.
+    quantizer of at most 3 bits per code in ``horovod_aq.ErrorFeedback`` unless ``optimizer`` is
+    adaptive (Adam, AdamW, RMSprop, ...: docs/quantizers.md §5.11), True any quantizer, False
+    none (docs/quantizers.md §5.9); ``compression`` is the compressor used.
 
     The returned object also has ``register_local_var``, ``end_step()``, ``compression``,
     ``exchange``, ``telemetry`` and ``buckets``.
@@ -343,7 +344,7 @@ def DistributedOptimizer(
                          fusion_bytes=fusion_bytes, small_tensor_threshold=small_tensor_threshold,
                          network=network, telemetry=telemetry, local_layers=local_layers,
                          wire=wire, error_feedback=error_feedback,
-                         stall_timeout_s=stall_timeout_s)
+                         stall_timeout_s=stall_timeout_s, optimizer=optimizer)
     cls = _distributed_class(type(optimizer), settings)
     config = optimizer.get_config()
     if name is not None:
@@ -361,7 +362,7 @@ def _settings(compression: Any, *, op: Any = hvd.Average, device_dense: str = ""
               network: NetworkModel | None = None, telemetry: Telemetry | None = None,
               local_layers: Any = None, wire: str = "fixed",
               error_feedback: bool | str = "auto",
-              stall_timeout_s: float | None = None) -> _Settings:
+              stall_timeout_s: float | None = None, optimizer: Any = None) -> _Settings:
     """Validate :func:`DistributedOptimizer`'s arguments into the settings its class carries."""
     check_average(op, hvd.Average, "horovod.tensorflow.keras.DistributedOptimizer")
     check_horovod_defaults("horovod_aq.keras.DistributedOptimizer", device_dense=device_dense,
@@ -373,7 +374,7 @@ def _settings(compression: Any, *, op: Any = hvd.Average, device_dense: str = ""
                          f"{backward_passes_per_step!r}")
     compression = NoCompression() if compression is None else compression
     compression = packed_compression(compression, error_feedback,
-                                     "horovod.tensorflow.keras.DistributedOptimizer")
+                                     "horovod.tensorflow.keras.DistributedOptimizer", optimizer)
     packed = exchange_for(compression, process_set=process_set, exchange=exchange,
                           fusion_bytes=fusion_bytes,
                           small_tensor_threshold=small_tensor_threshold, network=network,

@@ -323,14 +323,16 @@ def resolve_compression(compression: Any) -> Any:
     return compression
 
 
-def packed_compression(compression: Any, error_feedback: Any, horovod_api: str) -> Any:
+def packed_compression(compression: Any, error_feedback: Any, horovod_api: str,
+                       optimizer: Any = None) -> Any:
     """The compressor a packed exchange uses: :func:`resolve_compression`, checked (
     ``horovod_api`` names Horovod's wrapper for ``hvd.Compression`` objects), then with error
-    feedback as ``error_feedback`` says (:func:`horovod_aq.error_feedback_setting.resolve`)."""
+    feedback as ``error_feedback`` says for ``optimizer`` (None: not known;
+    :func:`horovod_aq.error_feedback_setting.resolve`)."""
     error_feedback_setting.check(error_feedback)
     compression = resolve_compression(compression)
     check_compression(compression, horovod_api)
-    return error_feedback_setting.resolve(compression, error_feedback)
+    return error_feedback_setting.resolve(compression, error_feedback, optimizer)
 
 
 def check_horovod_defaults(api: str, **given: Any) -> None:

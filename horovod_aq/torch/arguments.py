@@ -47,7 +47,7 @@ def check_horovod_args(optimizer: Any, compression: Any, *, op: Any,
     error_feedback_setting.check(error_feedback)
     compression = resolve_compression(compression)
     check_compression(compression, "hvd.DistributedOptimizer")
-    compression = error_feedback_setting.resolve(compression, error_feedback)
+    compression = error_feedback_setting.resolve(compression, error_feedback, optimizer)
     passthrough = not compression.quantizes and compression.error_memory is None
     if op == Adasum and not passthrough:
         raise ValueError(ADASUM_MESSAGE)

@@ -157,6 +157,10 @@ class QuantizedHookState:
             quantizer, False none; an ``ErrorFeedback`` given stays as it is. Resolved at
             construction (:mod:`horovod_aq.error_feedback_setting`, docs/quantizers.md §5.9);
             :attr:`compression` is the compressor used.
+        optimizer: the local optimizer that steps on the averaged gradient. DDP never shows it
+            to a hook, so pass it: with an adaptive one (Adam, AdamW, RMSprop, ...) "auto"
+            sends the plain quantizer, as the packed optimizers do, where error feedback costs
+            accuracy (docs/quantizers.md §5.11). Only its class is read; it is not kept.
     """
 
     __slots__ = (
@@ -175,14 +179,14 @@ class QuantizedHookState:
                  exchange: str = "auto", network: NetworkModel | None = None,
                  telemetry: Telemetry | None = None, name: str | None = None,
                  stall_timeout_s: float | None = None, wire: Any = "auto",
-                 error_feedback: bool | str = "auto") -> None:
+                 error_feedback: bool | str = "auto", optimizer: Any = None) -> None:
         compression = NoCompression() if compression is None else compression
         check_wire(wire)
         error_feedback_setting.check(error_feedback)
         check_compression(compression, "torch.distributed.algorithms.ddp_comm_hooks")
         # resolved here, not at the first bucket: it needs no process group, and the name
         # prefix below is the compressor's that is used
-        compression = error_feedback_setting.resolve(compression, error_feedback)
+        compression = error_feedback_setting.resolve(compression, error_feedback, optimizer)
         self.compression = compression
         self.settings = ExchangeSettings(exchange, network=network)
         self.telemetry = telemetry if telemetry is not None else Telemetry()

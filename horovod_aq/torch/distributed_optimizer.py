@@ -101,7 +101,9 @@ def DistributedOptimizer(
             (``AutoWire("auto", warmup_steps=2, trials=4)``). The decision is in
             :meth:`state_dict` (``"horovod_aq_wire"``); :attr:`autowire` shows it.
         error_feedback: "auto" (the default) wraps a quantizer of at most 3 bits per code in
-            ``horovod_aq.ErrorFeedback`` (its default coefficients, one INFO line), True any
+            ``horovod_aq.ErrorFeedback`` (its default coefficients, one INFO line) unless
+            ``optimizer`` is adaptive (Adam, AdamW, RMSprop, ...: there it costs accuracy,
+            docs/quantizers.md §5.11; one INFO line says so), True any
             quantizer, False none; an ``ErrorFeedback`` given stays as it is
             (:mod:`horovod_aq.error_feedback_setting`, docs/quantizers.md §5.9).
             :attr:`compression` is the compressor used.
