@@ -320,12 +320,14 @@ def ecq_auto():
     opt = aqk.DistributedOptimizer(keras.optimizers.SGD(0.05), horovod_aq.TernGrad())
     off = aqk.DistributedOptimizer(keras.optimizers.SGD(0.05), horovod_aq.TernGrad(),
                                    error_feedback=False)
+    adam = aqk.DistributedOptimizer(keras.optimizers.Adam(1e-3), horovod_aq.TernGrad())
     return {"type": type(used).__name__, "inner_is_given": used.quantizer is comp,
             "one_wrapper": all(t.compression is used for t in tapes),
             "one_exchange": all(t.exchange is tapes[0].exchange for t in tapes),
             "norms": [r.extra.get("ef_memory_norm") for r in tapes[0].telemetry.history],
             "memory_keys": sorted(used.memory), "buckets": sorted(b[0] for b in t.buckets),
-            "keras": type(opt.compression).__name__, "keras_off": type(off.compression).__name__}
+            "keras": type(opt.compression).__name__, "keras_off": type(off.compression).__name__,
+            "keras_adam": type(adam.compression).__name__}
 
 
 def keras_fit_ecq():
@@ -528,10 +530,12 @@ def test_keras_fit_with_ecq_trains(launch):
 @pytest.mark.reads("ecq_auto")
 def test_auto_error_feedback_keeps_one_memory_across_rebuilt_tapes(launch):
     """docs/quantizers.md §5.9 on TensorFlow: fails if "auto" stopped adding error feedback at
-    2 bits, or if a tape rebuilt every step started a new memory."""
+    2 bits, or if a tape rebuilt every step started a new memory; under Keras's Adam "auto"
+    sends the plain quantizer (§5.11)."""
     for r in _get(launch, ecq_auto):
         assert (r["type"], r["inner_is_given"], r["one_wrapper"], r["one_exchange"]) == (
             "ErrorFeedback", True, True, True)
         assert len(r["norms"]) == 3 and all(n is not None and n > 0 for n in r["norms"])
         assert r["memory_keys"] == r["buckets"]
-        assert (r["keras"], r["keras_off"]) == ("ErrorFeedback", "TernGrad")
+        assert (r["keras"], r["keras_off"], r["keras_adam"]) == (
+            "ErrorFeedback", "TernGrad", "TernGrad")
