@@ -22,8 +22,7 @@ plain quantizer, docs/quantizers.md §5.11), the same with ``error_feedback=True
 buckets of 64 coordinates, ``DQSGD(target_bits=3)`` at the hook's defaults, PowerSGD (error
 feedback, warm start, from step 2, one DDP bucket) at the rank whose bytes per step are closest to
 "ALQ 3b"'s (:func:`benchmarks.ddp_accuracy.choose_rank` on PyTorch's compression rule, from the
-first stored "ALQ 3b" run's steady bytes, then kept for every seed: rank 7, chosen when that
-row had error feedback, now "ALQ 3b EF") and at
+first stored "ALQ 3b" run's steady bytes, then kept for every seed) and at
 :data:`POWERSGD_LARGER_RANKS` (looking for the rank that matches ALQ's accuracy), and Horovod's
 packed optimizer with fp32 (``NoCompression``) and ALQ 2- and 3-bit defaults.
 
