@@ -67,6 +67,10 @@ ADAPTIVE_OPTIMIZERS = frozenset({
     "RMSprop", "Adafactor", "Lamb", "LAMB", "FusedAdam", "FusedLAMB", "DeepSpeedCPUAdam",
     "AdamW8bit", "Adam8bit", "PagedAdamW",
 })
+#: Where wrappers keep the optimizer they wrap: Keras's ``LossScaleOptimizer``, PyTorch's
+#: ``ZeroRedundancyOptimizer`` (``optim``), Lightning's ``LightningOptimizer`` (``_optimizer``)
+#: and Accelerate's ``AcceleratedOptimizer`` (``optimizer``).
+WRAPPED_OPTIMIZER_ATTRIBUTES = ("inner_optimizer", "optim", "_optimizer", "optimizer")
 
 
 def check(value: Any) -> bool | str:
@@ -91,17 +95,18 @@ def code_width(compression: Any) -> float | None:
     return float(max(quantizer.tables_by_width()))
 
 
-def adaptive(optimizer: Any) -> bool:
+def adaptive(optimizer: Any, _depth: int = 4) -> bool:
     """Whether ``optimizer`` scales each coordinate by a running mean of its squared gradient,
     where error feedback is a loss (docs/quantizers.md §5.11): its class, or a base class, is
-    named in :data:`ADAPTIVE_OPTIMIZERS` (PyTorch's, Keras's and the usual third-party names; a
-    Keras ``LossScaleOptimizer`` is judged by its inner optimizer). None: not known (False)."""
+    named in :data:`ADAPTIVE_OPTIMIZERS` (PyTorch's, Keras's and the usual third-party names),
+    or it wraps such an optimizer in one of :data:`WRAPPED_OPTIMIZER_ATTRIBUTES`. None: not
+    known (False). Wrappers are followed ``_depth`` levels deep (an attribute may point back)."""
     if optimizer is None:
         return False
-    inner = getattr(optimizer, "inner_optimizer", None)
-    if inner is not None:
-        return adaptive(inner)
-    return any(cls.__name__ in ADAPTIVE_OPTIMIZERS for cls in type(optimizer).__mro__)
+    if any(cls.__name__ in ADAPTIVE_OPTIMIZERS for cls in type(optimizer).__mro__):
+        return True
+    return _depth > 0 and any(adaptive(getattr(optimizer, name, None), _depth - 1)
+                              for name in WRAPPED_OPTIMIZER_ATTRIBUTES)
 
 
 def wanted(compression: Any, optimizer: Any = None) -> bool:
@@ -164,5 +169,5 @@ def stock_warning(compression: Any, packed_api: str) -> str | None:
 
 
 __all__ = ["ADAPTIVE_DOCS", "ADAPTIVE_OPTIMIZERS", "AUTO_MAX_BITS", "DOCS", "SETTINGS",
-           "STOCK_WARNING_MAX_BITS", "adaptive", "check", "code_width", "resolve",
-           "stock_warning", "wanted"]
+           "STOCK_WARNING_MAX_BITS", "WRAPPED_OPTIMIZER_ATTRIBUTES", "adaptive", "check",
+           "code_width", "resolve", "stock_warning", "wanted"]

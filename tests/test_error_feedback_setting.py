@@ -121,11 +121,19 @@ def test_auto_sends_the_plain_quantizer_under_an_adaptive_optimizer(name, adapti
     assert setting.resolve(four, "auto", optimizer) is four
 
 
-def test_a_loss_scale_optimizer_is_judged_by_its_inner_optimizer():
+@pytest.mark.parametrize("attribute", setting.WRAPPED_OPTIMIZER_ATTRIBUTES)
+def test_a_wrapper_is_judged_by_the_optimizer_it_wraps(attribute):
+    """Keras's LossScaleOptimizer, ZeroRedundancyOptimizer, Lightning's and Accelerate's."""
     torch = pytest.importorskip("torch")
-    inner = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
-    wrapper = type("LossScaleOptimizer", (), {"inner_optimizer": inner})()
-    assert setting.adaptive(wrapper) and not setting.adaptive(object())
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    for inner, expected in ((torch.optim.Adam(params), True), (torch.optim.SGD(params, 0.1),
+                                                                False)):
+        wrapper = type("Wrapper", (), {attribute: inner})()
+        assert setting.adaptive(wrapper) is expected
+    assert not setting.adaptive(object())
+    loop = type("Loop", (), {})()
+    loop.optimizer = loop                              # a wrapper that points back ends
+    assert not setting.adaptive(loop)
 
 
 def test_the_wrapper_is_what_the_ranks_compare():

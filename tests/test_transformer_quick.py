@@ -8,7 +8,8 @@ start); every row started from the same weights; fp32's bytes are the ring allre
 2(P−1)/P·4n = 4n at P = 2; the quantized rows send between 2/32 and 4/32 of that (3-bit codes
 plus bucket norms and headers, or the entropy-coded body that ``wire="auto"`` may choose); the
 time to a target that every row reaches within the quick run is the first evaluation at or
-below it, and its interpolated crossing lies between that evaluation and the one before; the
+below it, and its interpolated crossing lies between that evaluation and the one before; under
+AdamW both packed paths send the plain quantizer (the DDP hook is given the optimizer); the
 resume rule skips a (row, seed) the JSON holds.
 """
 
@@ -77,7 +78,9 @@ def test_transformer_quick(tmp_path):
         if label != "fp32":
             ratio = bench.steady_bytes(run) / fp32["bytes_per_step"]
             assert 2 / 32 < ratio < 4 / 32, (label, ratio)
-            assert "error feedback" in run["label"], run["label"]       # the <= 3-bit default
+            # AdamW: error_feedback="auto" sends the plain quantizer (docs/quantizers.md §5.11)
+            assert run["compressor"] == "ALQ 3-bit", run["compressor"]
+            assert "error feedback" not in run["label"], run["label"]
     assert text.count("(1/1)") == len(rows)                                # every row reached
     m = re.search(r"^\| ALQ 3b \|.*\| ([+-]\d\.\d{4}) \|", text, re.M)
     assert m and float(m.group(1)) == pytest.approx(
