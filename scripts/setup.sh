@@ -149,7 +149,9 @@ fi
 say "installing horovod_aq (editable) with test and dev extras"
 "${PIP[@]}" install -q -e "$ROOT[torch,mpi,examples,test,dev]" -c "$ROOT/scripts/constraints.txt"
 
-"$PY" - <<'EOF' || die "the installed stack does not import; see the message above"
+# TensorFlow's start-up lines (absl's notice before InitializeLog, oneDNN's) are not messages.
+"$PY" - 2> >(grep -vE "absl::InitializeLog|oneDNN custom operations|TF_ENABLE_ONEDNN_OPTS" >&2) <<'EOF' \
+  || die "the installed stack does not import; see the message above"
 import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import horovod.torch, horovod.tensorflow  # noqa: F401
