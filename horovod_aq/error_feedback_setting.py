@@ -132,12 +132,14 @@ def resolve(compression: Any, error_feedback: Any = "auto", optimizer: Any = Non
             f"error_feedback=True needs a quantizer; {type(compression).__name__}() sends "
             "full-precision values, with no quantization error to keep. Pass a quantizer (e.g. "
             "compression=horovod_aq.ALQ(bits=2)) or leave error_feedback='auto'")
-    if setting == "auto" and not wanted(compression, optimizer):
-        if wanted(compression):
+    if setting == "auto":
+        if not wanted(compression):
+            return compression
+        if adaptive(optimizer):
             logger.info("%s: error feedback off (error_feedback='auto' and %s, an adaptive "
                         "optimizer, where it costs accuracy: %s); pass error_feedback=True to "
                         "keep it", compression.name, type(optimizer).__name__, ADAPTIVE_DOCS)
-        return compression
+            return compression
     return _wrapper(compression, setting)
 
 

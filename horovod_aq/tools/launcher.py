@@ -146,6 +146,23 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+def _wait(proc: subprocess.Popen, timeout: float, log_path: str, what: str) -> int:
+    """``proc``'s exit status. Past ``timeout`` seconds every process of the launch is killed and
+    :class:`LaunchError` names ``what`` with the log's tail; a caller interrupted while it waits
+    (Ctrl-C, pytest-timeout's signal) kills them too before the exception goes on, since the
+    ranks run in their own session and would outlive it, spinning in a collective."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.wait()
+        raise LaunchError(f"{what} exceeded {timeout:.0f}s and was killed; last output:\n"
+                          f"{_tail(log_path)}") from None
+    except BaseException:
+        kill_tree(proc.pid)
+        raise
+
+
 def run_local(
     checks: Sequence[Check],
     *,
@@ -193,20 +210,7 @@ def run_local(
             proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env, start_new_session=True
             )
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                kill_tree(proc.pid)
-                proc.wait()
-                raise LaunchError(
-                    f"{np}-rank {controller} launch exceeded {timeout:.0f}s and was killed; "
-                    f"last output:\n{_tail(log_path)}"
-                ) from None
-            except BaseException:
-                # interrupted while waiting (Ctrl-C, pytest-timeout's signal): the ranks run in
-                # their own session and would outlive the caller, spinning in a collective
-                kill_tree(proc.pid)
-                raise
+            rc = _wait(proc, timeout, log_path, f"{np}-rank {controller} launch")
         logger.debug("launch of %d checks on %d ranks took %.1fs", len(checks), np,
                      time.monotonic() - t0)
         outcomes: dict[str, list[Any]] = {n: [None] * np for n in names}
@@ -278,17 +282,7 @@ def run_elastic(
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env,
                                     start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                kill_tree(proc.pid)
-                proc.wait()
-                raise LaunchError(f"elastic launch ({min_np}..{max_np} ranks) exceeded "
-                                  f"{timeout:.0f}s and was killed; last output:\n"
-                                  f"{_tail(log_path)}") from None
-            except BaseException:   # interrupted while waiting: no rank outlives the caller
-                kill_tree(proc.pid)
-                raise
+            rc = _wait(proc, timeout, log_path, f"elastic launch ({min_np}..{max_np} ranks)")
         with open(log_path, encoding="utf-8", errors="replace") as f:
             return ElasticRun(rc, f.read())
 
