@@ -13,14 +13,21 @@
 #      entropy coder (16M and 64M symbols, beside DietGPU's 250-410 GB/s on A100), a
 #      single-process packed step;
 #   3. benchmarks/gpu_check_ddp.py: the DDP hook over NCCL (bit-exact against the oracle,
-#      markers, step time against DDP's fp32 allreduce);
-#   4. benchmarks/kernels.py --entropy on the machine's CPU, one thread (a quiet machine: the
+#      markers, step time against DDP's fp32 allreduce), then the same with two ranks sharing
+#      GPU 0 over Gloo (CUDA tensors), the multi-rank averages on a one-GPU machine;
+#   4. Horovod with NCCL: installed from .gpu_wheels/ (scripts/gpu_wheel.sh builds it on a CPU
+#      machine for this machine's Python and torch; run(carry=[".gpu_wheels"]) brings it) unless
+#      one is installed, then benchmarks/gpu_check_horovod.py under horovodrun -np 1: the packed
+#      optimizer on CUDA tensors bit-exact against the oracle, its host synchronisations and
+#      device kernels per step, its step time next to Horovod's fp32 optimizer;
+#   5. benchmarks/kernels.py --entropy on the machine's CPU, one thread (a quiet machine: the
 #      fixed-width and entropy-coded CPU kernels, docs/format.md §12).
 # Every step runs even when an earlier one failed, each under its own time limit, so one call
 # gives every number; the exit status is 1 if any step failed. Reports go to OUTDIR (default
-# benchmarks/results): gpu.md, gpu_ddp.md, kernels_entropy_gpu_host.md, and gpu_check.log (the
-# whole output, with each step's exit status and seconds). About 7 minutes on one H200 (each
-# test step compiles its kernel variants once: about 1-2 s each).
+# benchmarks/results): gpu.md, gpu_ddp.md, gpu_ddp_shared.md, gpu_horovod.md,
+# kernels_entropy_gpu_host.md, and gpu_check.log (the whole output, with each step's exit status
+# and seconds). Runs 1 and 2 took 86 and 164 s on one H200 before the Horovod and shared-GPU
+# steps (each test step compiles its kernel variants once: about 1-2 s each).
 #
 #     benchmarks/gpu_check.sh [OUTDIR]
 #     PYTHON=python3 benchmarks/gpu_check.sh "$OUT"      # on the device machine
@@ -60,6 +67,31 @@ step triton-ef-tests 240 "$PYTHON" -m pytest tests/test_triton_compensated.py -q
   -p no:cacheprovider -o addopts= -rfE --durations=5 -k "not compiles_for_the_gpu"
 step gpu-check 190 "$PYTHON" benchmarks/gpu_check.py --out "$OUTDIR/gpu.md"
 step gpu-check-ddp 90 "$PYTHON" benchmarks/gpu_check_ddp.py --out "$OUTDIR/gpu_ddp.md"
+step gpu-check-ddp-shared 120 "$PYTHON" benchmarks/gpu_check_ddp.py --share-gpu 2 \
+  --timing-steps 5 --out "$OUTDIR/gpu_ddp_shared.md"
+# Horovod: the carried wheel for this Python (with the dependencies carried beside it, into
+# HOROVOD_SITE, first on PYTHONPATH), unless a Horovod with NCCL is installed already
+export HOROVOD_SITE=${HOROVOD_SITE:-/tmp/horovod_site}
+export PYTHONPATH="$HOROVOD_SITE:$PYTHONPATH"
+install_horovod() {
+  "$PYTHON" -c 'import horovod.torch as h, sys; sys.exit(0 if h.nccl_built() else 1)' 2>/dev/null \
+    && { echo "Horovod with NCCL is installed"; return 0; }
+  local tag
+  tag="cp$("$PYTHON" -c 'import sys; print("%d%d" % sys.version_info[:2])')"
+  ls .gpu_wheels/horovod-*-"$tag"-*.whl >/dev/null 2>&1 || {
+    echo "no Horovod wheel for $tag in .gpu_wheels/: on a CPU machine run scripts/gpu_wheel.sh" \
+         "--python X.Y --torch VERSION (this machine's, docs/gpu.md) and carry .gpu_wheels"
+    return 1; }
+  cat .gpu_wheels/TARGET-*.txt 2>/dev/null
+  "$PYTHON" -m pip install -q --no-index --no-compile --find-links .gpu_wheels \
+    --target "$HOROVOD_SITE" horovod \
+    && "$PYTHON" -c 'import horovod.torch as h; assert h.nccl_built(), "built without NCCL"; print("installed", h.__file__)'
+}
+export -f install_horovod
+export PYTHON
+step horovod-install 120 bash -c install_horovod
+step gpu-check-horovod 180 "$PYTHON" -m horovod.runner.launch --gloo -np 1 -H localhost:1 \
+  "$PYTHON" benchmarks/gpu_check_horovod.py --out "$OUTDIR/gpu_horovod.md"
 step cpu-entropy-kernels 90 "$PYTHON" benchmarks/kernels.py --entropy --sizes 1M,16M \
   --bits 2,3,4 --repeats 2 --output "$OUTDIR/kernels_entropy_gpu_host.md"
 

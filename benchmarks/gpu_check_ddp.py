@@ -17,6 +17,7 @@ averaging across ranks) and checks:
 
     python benchmarks/gpu_check_ddp.py --out benchmarks/results/gpu_ddp.md
     python benchmarks/gpu_check_ddp.py --dry-run          # CPU, Gloo, 2 ranks, small sizes
+    python benchmarks/gpu_check_ddp.py --share-gpu 2      # 2 ranks on GPU 0, Gloo, CUDA tensors
 
 Exit status 1 if a check fails. The report (Markdown) goes to ``--out`` (default: printed).
 """
@@ -51,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timing-steps", type=int, default=20)
     p.add_argument("--dry-run", action="store_true",
                    help="CPU: Gloo, 2 ranks, small timing model (numbers meaningless)")
+    p.add_argument("--share-gpu", type=int, default=0, metavar="RANKS",
+                   help="RANKS processes on GPU 0 over Gloo (CUDA tensors; NCCL refuses two "
+                        "ranks on one device): the multi-rank paths on a one-GPU machine")
     return p.parse_args(argv)
 
 
@@ -146,17 +150,26 @@ def timing_run(torch, device, sizes, steps, hook, wire="fixed"):
         aqddp.register(net, horovod_aq.ALQ(bits=3, bucket_size=8192), wire=wire)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = _batch(torch, sizes, dist.get_rank(), 0, device, n=64)
-    times = []
-    for step in range(steps + 3):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
+
+    def step():
         opt.zero_grad()
         F.cross_entropy(net(x), y).backward()
         opt.step()
+    return median_step(torch, device, step, steps)
+
+
+def median_step(torch, device, step, steps: int, warmup: int = 3) -> float:
+    """Median seconds of ``step()`` over ``steps`` calls after ``warmup``, each timed between
+    device synchronisations."""
+    times = []
+    for k in range(warmup + steps):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if step >= 3:
+        started = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if k >= warmup:
             times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -171,6 +184,10 @@ def rank_main(rank, world, port, args, outdir):
     torch.set_num_threads(1)
     if args.dry_run:
         device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    elif args.share_gpu:
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
         dist.init_process_group("gloo", rank=rank, world_size=world)
     else:
         torch.cuda.set_device(rank)
@@ -265,8 +282,9 @@ def main() -> int:
         if not torch.cuda.is_available():
             print("no CUDA device: use --dry-run on CPU", file=sys.stderr)
             return 2
-        world = max(1, min(args.ranks, torch.cuda.device_count()))
-        device = torch.cuda.get_device_name(0)
+        world = args.share_gpu or max(1, min(args.ranks, torch.cuda.device_count()))
+        device = torch.cuda.get_device_name(0) + (
+            f", shared by {world} ranks over Gloo" if args.share_gpu else "")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -322,11 +340,16 @@ def main() -> int:
         f"Median step, {'dry-run model' if args.dry_run else '≈29M-parameter MLP'}, "
         "batch 64 per rank (max over ranks):", "",
         "| mode | median step |", "|---|---:|", *timing, ""])
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
-    print(report)
+    write_report(args.out, report)
     return 1 if failed else 0
+
+
+def write_report(out: Path | None, text: str) -> None:
+    """The Markdown report into ``out`` (its folder made) and on stdout."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

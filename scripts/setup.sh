@@ -6,13 +6,16 @@
 #
 # Usage: scripts/setup.sh [--venv DIR] [--gpu] [--no-apt] [--force]
 #   --venv DIR  environment to create/use (default: .venv at the repo root)
-#   --gpu       CUDA builds of torch/TensorFlow and Horovod with NCCL (docker/Dockerfile.gpu)
+#   --gpu       CUDA builds of torch/TensorFlow and Horovod with NCCL, its CUDA toolkit and NCCL
+#               from PyPI (scripts/cuda_toolkit.py; no CUDA installation needed; docs/gpu.md)
 #   --no-apt    never call apt-get (fail with a message if Open MPI is missing)
 #   --force     redo every step even if the stamp says the environment is current
 # Environment: PYTHON (interpreter to build the venv from, default python3),
 #   HOROVOD_AQ_CACHE (wheel cache, default ~/.cache/horovod_aq),
-#   TORCH_INDEX_URL (without --gpu: install torch from this index, e.g. TORCH_CPU_INDEX from
-#   versions.env as docker/Dockerfile does; default: wherever pip's configuration finds it).
+#   TORCH_INDEX_URL (install torch from this index: without --gpu e.g. TORCH_CPU_INDEX from
+#   versions.env as docker/Dockerfile does, default wherever pip's configuration finds it; with
+#   --gpu default TORCH_CUDA_INDEX), HOROVOD_BUILD_CUDA_CC_LIST (with --gpu: the compute
+#   capabilities of Horovod's CUDA kernels, e.g. 80,90; default all that nvcc knows).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -94,7 +97,9 @@ pip_quiet() {
 # ---------------------------------------------------------------- frameworks
 if [ "$GPU" = 1 ]; then
   say "installing CUDA builds: torch $TORCH_VERSION, tensorflow $TENSORFLOW_VERSION"
-  "${PIP[@]}" install -q "torch==$TORCH_VERSION" --index-url "$TORCH_CUDA_INDEX"
+  "${PIP[@]}" install -q "torch==$TORCH_VERSION" --index-url "${TORCH_INDEX_URL:-$TORCH_CUDA_INDEX}"
+  "$PY" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null \
+    || die "torch from ${TORCH_INDEX_URL:-$TORCH_CUDA_INDEX} is not a CUDA build"
   TF_PKG="tensorflow[and-cuda]==$TENSORFLOW_VERSION"
 else
   say "installing torch $TORCH_VERSION (CPU), tensorflow-cpu $TENSORFLOW_VERSION, tf-keras $TF_KERAS_VERSION"
@@ -114,7 +119,10 @@ TORCH_V="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
 TF_V="$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c 'import tensorflow as tf; print(tf.__version__)' 2>/dev/null)"
 PATCH_ID="$(sha256sum "$PATCH" | cut -c1-8)"
 KEY="horovod-$HOROVOD_VERSION-py$PYVER-torch$TORCH_V-tf$TF_V-mpi$MPI_VERSION-patch$PATCH_ID"
-if [ "$GPU" = 1 ]; then KEY="$KEY-nccl"; fi
+if [ "$GPU" = 1 ]; then
+  CUDA_V="$("$PY" -c 'import torch; print(torch.version.cuda)' 2>/dev/null)"
+  KEY="$KEY-cuda$CUDA_V-nccl"
+fi
 WHEEL_DIR="$CACHE/wheels/$KEY"
 if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   say "building Horovod $HOROVOD_VERSION from source (about 7 min on 2 cores); cache: $WHEEL_DIR"
@@ -130,7 +138,15 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
          HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 CMAKE_POLICY_VERSION_MINIMUM=3.5 \
          MAKEFLAGS="-j$(nproc)" HOROVOD_CMAKE="$VENV/bin/cmake"
-  if [ "$GPU" = 1 ]; then export HOROVOD_GPU_OPERATIONS=NCCL; fi
+  if [ "$GPU" = 1 ]; then
+    # nvcc, the CUDA runtime and NCCL from PyPI, in one folder Horovod's CMake understands; at
+    # run time Horovod finds torch's own NCCL and CUDA runtime through the rpath (--ldflags)
+    CUDA_HOME_AQ="$("$PY" "$ROOT/scripts/cuda_toolkit.py" --dest "$CACHE/cuda")" \
+      || die "could not assemble the CUDA toolkit from PyPI (scripts/cuda_toolkit.py)"
+    export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_CUDA_HOME="$CUDA_HOME_AQ" \
+           HOROVOD_NCCL_HOME="$CUDA_HOME_AQ" HOROVOD_NCCL_LINK=SHARED \
+           LDFLAGS="$("$PY" "$ROOT/scripts/cuda_toolkit.py" --ldflags)${LDFLAGS:+ $LDFLAGS}"
+  fi
   if ! PATH="$VENV/bin:$PATH" "${PIP[@]}" wheel -v --no-build-isolation --no-deps -w "$BUILD/dist" "$SRC" >"$LOG" 2>&1; then
     echo "---- last 40 lines of the Horovod build log ----" >&2
     tail -n 40 "$LOG" >&2
@@ -150,13 +166,15 @@ say "installing horovod_aq (editable) with test and dev extras"
 "${PIP[@]}" install -q -e "$ROOT[torch,mpi,examples,test,dev]" -c "$ROOT/scripts/constraints.txt"
 
 # TensorFlow's start-up lines (absl's notice before InitializeLog, oneDNN's) are not messages.
-"$PY" - 2> >(grep -vE "absl::InitializeLog|oneDNN custom operations|TF_ENABLE_ONEDNN_OPTS" >&2) <<'EOF' \
+GPU="$GPU" "$PY" - 2> >(grep -vE "absl::InitializeLog|oneDNN custom operations|TF_ENABLE_ONEDNN_OPTS" >&2) <<'EOF' \
   || die "the installed stack does not import; see the message above"
 import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import horovod.torch, horovod.tensorflow  # noqa: F401
 from horovod.common.util import gloo_built, mpi_built
 assert gloo_built() and mpi_built(), "Horovod built without Gloo or MPI"
+if os.environ["GPU"] == "1":
+    assert horovod.torch.nccl_built(), "Horovod built without NCCL"
 EOF
 echo "$STAMP" > "$VENV/.horovod_aq_setup"
 say "ready: $VENV (horovod $HOROVOD_VERSION, torch $TORCH_V, tensorflow $TF_V, Open MPI $MPI_VERSION)"

@@ -153,10 +153,9 @@ def disagreements(text: str, pins: dict[str, str]) -> list[str]:
             for m in re.finditer(pattern, text, re.IGNORECASE):
                 if not _agree(m.group(1), pins[key]):
                     bad.append(f"{m.group(0)!r} (versions.env: {key}={pins[key]})")
-    image_tag = pins["CUDA_IMAGE"].split(":", 1)[1]
-    for m in re.finditer(r"\bnvidia/cuda:([\w.-]+)", text):
-        if m.group(1) != image_tag:
-            bad.append(f"{m.group(0)!r} (versions.env: CUDA_IMAGE={pins['CUDA_IMAGE']})")
+    for m in re.finditer(r"\bnvidia/cuda:[\w.-]+", text):
+        bad.append(f"{m.group(0)!r} (no CUDA base image: setup.sh --gpu takes the CUDA toolkit "
+                   "from PyPI, scripts/cuda_toolkit.py)")
     indexes = {pins["TORCH_CPU_INDEX"], pins["TORCH_CUDA_INDEX"]}
     for m in re.finditer(r"https?://download\.pytorch\.org/whl/\w+", text):
         if m.group(0) not in indexes:
@@ -189,15 +188,13 @@ def test_versions_env_is_plain_and_reads_the_same_in_bash():
     pins = versions()
     for key in ("PYTHON_VERSION", "TORCH_VERSION", "TENSORFLOW_VERSION", "TF_KERAS_VERSION",
                 "HOROVOD_VERSION", "MPI4PY_VERSION", "CMAKE_PIP_SPEC", "TORCH_CPU_INDEX",
-                "CUDA_IMAGE", "TORCH_CUDA_INDEX"):
+                "TORCH_CUDA_INDEX"):
         assert pins.get(key), f"scripts/versions.env has no {key}"
     fields = " ".join(f'"${{{k}}}"' for k in pins)
     script = f'set -eu; source "$1"; printf "%s\\0" {fields}'
     out = subprocess.run(["bash", "-c", script, "bash", str(VERSIONS_ENV)], check=True,
                          capture_output=True, text=True).stdout
     assert dict(zip(pins, out.split("\0"))) == pins
-    assert re.fullmatch(r"nvidia/cuda:[\w.-]+-devel-[\w.-]+", pins["CUDA_IMAGE"]), \
-        "the GPU image needs a CUDA devel image (nvcc and NCCL headers to build Horovod)"
     assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d{3}", pins["TORCH_CUDA_INDEX"])
     assert pins["TORCH_CPU_INDEX"] == "https://download.pytorch.org/whl/cpu"
 
@@ -291,8 +288,8 @@ def test_versions_agree_with_versions_env(dockerfile):
     used = re.findall(r"\$\{?(\w+)", froms[0])
     assert used and all(k in pins and args.get(k) == pins[k] for k in used), \
         f"{dockerfile.name}: FROM {froms[0]} must be built from versions.env keys ({used})"
-    expected = "CUDA_IMAGE" if dockerfile.name.endswith(".gpu") else "PYTHON_VERSION"
-    assert expected in used
+    assert used == ["PYTHON_VERSION"], \
+        f"{dockerfile.name}: FROM the Python image of PYTHON_VERSION (no CUDA base image)"
 
 
 def test_hadolint_finds_no_errors_or_warnings(dockerfile, tmp_path):

@@ -1,0 +1,98 @@
+"""The GPU build's pieces that run without a GPU (docs/gpu.md §2-§3): the CUDA toolkit folder
+``scripts/cuda_toolkit.py`` assembles from PyPI's packages, ``scripts/gpu_wheel.sh``'s argument
+checks, and ``benchmarks/gpu_check_horovod.py``'s dry run under ``horovodrun`` (CPU tensors)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cuda_toolkit():
+    spec = importlib.util.spec_from_file_location("cuda_toolkit",
+                                                  ROOT / "scripts" / "cuda_toolkit.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _package(root: Path, name: str, files: dict[str, str]) -> Path:
+    """A fake ``nvidia/<name>`` package folder holding ``files`` (relative path → text)."""
+    for rel, text in files.items():
+        path = root / "nvidia" / name / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "nvidia" / name
+
+
+def test_packages_merge_into_one_home(tmp_path):
+    """CUDA 12's layout: one folder per package, sharing include/crt; libraries get their
+    unversioned names; a second run changes nothing."""
+    ct = _cuda_toolkit()
+    site = tmp_path / "packages"
+    _package(site, "cuda_nvcc", {"bin/nvcc": "nvcc", "include/crt/host_config.h": "a",
+                                 "nvvm/libdevice/libdevice.10.bc": "bc"})
+    _package(site, "cuda_runtime", {"include/cuda_runtime.h": "rt", "include/crt/extra.h": "b",
+                                    "lib/libcudart.so.12": "so", "lib/libcudart_static.a": "a"})
+    nccl = _package(tmp_path / "env", "nccl", {"include/nccl.h": "n", "lib/libnccl.so.2": "so"})
+    home = tmp_path / "home"
+    for _ in range(2):
+        for root in ct.package_roots(site) + [nccl]:
+            for part, into in ct.PARTS.items():
+                if (root / part).is_dir():
+                    ct.link_tree(root / part, home / into)
+        ct.unversioned_links(home / "lib64")
+    assert (home / "bin" / "nvcc").read_text() == "nvcc"
+    assert {p.name for p in (home / "include" / "crt").iterdir()} == {"host_config.h", "extra.h"}
+    assert not (home / "include" / "crt").is_symlink()    # merged, not one package's folder
+    assert (home / "lib64" / "libcudart.so").resolve() == (
+        site / "nvidia" / "cuda_runtime" / "lib" / "libcudart.so.12").resolve()
+    assert os.readlink(home / "lib64" / "libnccl.so") == "libnccl.so.2"
+    assert (home / "include" / "nccl.h").read_text() == "n"
+    assert (home / "nvvm" / "libdevice" / "libdevice.10.bc").read_text() == "bc"
+
+
+def test_refuses_a_cpu_torch_and_unsupported_cuda(tmp_path):
+    ct = _cuda_toolkit()
+    import torch
+
+    if torch.version.cuda is None:
+        with pytest.raises(SystemExit, match="CPU build"):
+            ct.torch_cuda_version()
+    with pytest.raises(SystemExit, match="CUDA 11.8 is not supported"):
+        ct.assemble(tmp_path, "11.8")
+    assert set(ct.TOOLKIT_PACKAGES) == {"12", "13"}
+    assert "nvidia-cuda-nvcc=={v}.*" in ct.TOOLKIT_PACKAGES["13"]
+
+
+def test_gpu_wheel_script_says_what_it_needs():
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_wheel.sh")], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert run.returncode == 1 and "give --python and --torch" in run.stderr
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_wheel.sh"), "--python", "2.1",
+                          "--torch", "2.11.0"], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert run.returncode == 1 and "no Python 2.1 here" in run.stderr
+
+
+@pytest.mark.slow     # two Horovod ranks and four small trainings: the slow matrix
+def test_gpu_check_horovod_dry_run_passes(tmp_path):
+    out = tmp_path / "gpu_horovod.md"
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [str(horovodrun), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
+         str(ROOT / "benchmarks" / "gpu_check_horovod.py"), "--dry-run", "--timing-steps", "2",
+         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    text = out.read_text()
+    assert text.count("| PASS |") == 4 and "FAIL" not in text
+    assert "payloads vs codec.encode" in text and "packed ALQ 3-bit" in text
