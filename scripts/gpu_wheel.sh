@@ -75,9 +75,11 @@ mkdir -p "$CACHE/logs"
 LOG="$CACHE/logs/gpu-wheel-py$PYVER-torch$TORCH_FULL.log"
 say "building Horovod $HOROVOD_VERSION for Python $PYVER, torch $TORCH_FULL, CUDA kernels for $CC (log: $LOG)"
 # NCCL and the CUDA runtime are torch's own, found at run time through the rpath (--ldflags).
+# CUDA_HOME: torch's cpp_extension, which Horovod's CMake asks whether torch has CUDA.
 if ! env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
     HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_GPU_OPERATIONS=NCCL \
     HOROVOD_CUDA_HOME="$CUDA_HOME" HOROVOD_NCCL_HOME="$CUDA_HOME" HOROVOD_NCCL_LINK=SHARED \
+    CUDA_HOME="$CUDA_HOME" \
     HOROVOD_BUILD_CUDA_CC_LIST="$CC" CMAKE_POLICY_VERSION_MINIMUM=3.5 \
     LDFLAGS="$("$PY" "$ROOT/scripts/cuda_toolkit.py" --ldflags)" \
     MAKEFLAGS="-j$(nproc)" HOROVOD_CMAKE="$VENV/bin/cmake" PATH="$VENV/bin:$PATH" \

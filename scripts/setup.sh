@@ -96,18 +96,20 @@ pip_quiet() {
 
 # ---------------------------------------------------------------- frameworks
 if [ "$GPU" = 1 ]; then
-  say "installing CUDA builds: torch $TORCH_VERSION, tensorflow $TENSORFLOW_VERSION"
+  say "installing CUDA builds: tensorflow $TENSORFLOW_VERSION, then torch $TORCH_VERSION"
+  # TensorFlow's and-cuda extra (CUDA 12) and torch (CUDA 13) both put NCCL into
+  # site-packages/nvidia/nccl: torch comes last, so that torch, and Horovod built against that
+  # folder, get the NCCL torch pins (docs/gpu.md §2).
+  "${PIP[@]}" install -q "tensorflow[and-cuda]==$TENSORFLOW_VERSION" -c "$ROOT/scripts/constraints.txt"
   "${PIP[@]}" install -q "torch==$TORCH_VERSION" --index-url "${TORCH_INDEX_URL:-$TORCH_CUDA_INDEX}"
   "$PY" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null \
     || die "torch from ${TORCH_INDEX_URL:-$TORCH_CUDA_INDEX} is not a CUDA build"
-  TF_PKG="tensorflow[and-cuda]==$TENSORFLOW_VERSION"
 else
   say "installing torch $TORCH_VERSION (CPU), tensorflow-cpu $TENSORFLOW_VERSION, tf-keras $TF_KERAS_VERSION"
   "${PIP[@]}" install -q "torch==$TORCH_VERSION" -c "$ROOT/scripts/constraints.txt" \
     ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-  TF_PKG="tensorflow-cpu==$TENSORFLOW_VERSION"
+  "${PIP[@]}" install -q "tensorflow-cpu==$TENSORFLOW_VERSION" -c "$ROOT/scripts/constraints.txt"
 fi
-"${PIP[@]}" install -q "$TF_PKG" -c "$ROOT/scripts/constraints.txt"
 # tf-keras requires the package named "tensorflow"; with tensorflow-cpu that would pull the
 # full GPU-enabled wheel on top of it, so install it without dependencies.
 "${PIP[@]}" install -q --no-deps "tf-keras==$TF_KERAS_VERSION"
@@ -143,7 +145,8 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
     # run time Horovod finds torch's own NCCL and CUDA runtime through the rpath (--ldflags)
     CUDA_HOME_AQ="$("$PY" "$ROOT/scripts/cuda_toolkit.py" --dest "$CACHE/cuda")" \
       || die "could not assemble the CUDA toolkit from PyPI (scripts/cuda_toolkit.py)"
-    export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_CUDA_HOME="$CUDA_HOME_AQ" \
+    # (CUDA_HOME: torch's cpp_extension, which Horovod's CMake asks whether torch has CUDA)
+    export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_CUDA_HOME="$CUDA_HOME_AQ" CUDA_HOME="$CUDA_HOME_AQ" \
            HOROVOD_NCCL_HOME="$CUDA_HOME_AQ" HOROVOD_NCCL_LINK=SHARED \
            LDFLAGS="$("$PY" "$ROOT/scripts/cuda_toolkit.py" --ldflags)${LDFLAGS:+ $LDFLAGS}"
   fi
