@@ -13,7 +13,8 @@
 #      entropy coder (16M and 64M symbols, beside DietGPU's 250-410 GB/s on A100), a
 #      single-process packed step;
 #   3. benchmarks/gpu_check_ddp.py: the DDP hook over NCCL (bit-exact against the oracle,
-#      markers, step time against DDP's fp32 allreduce), then the same with two ranks sharing
+#      markers, step time against DDP's fp32 allreduce, host syncs and device kernels per
+#      step), then the same with two ranks sharing
 #      GPU 0 over Gloo (CUDA tensors), the multi-rank averages on a one-GPU machine;
 #   4. Horovod with NCCL: installed from .gpu_wheels/ (scripts/gpu_wheel.sh builds it on a CPU
 #      machine for this machine's Python and torch; run(carry=[".gpu_wheels"]) brings it) unless

@@ -13,7 +13,10 @@ averaging across ranks) and checks:
 2. **markers**: a NaN gradient with ``nonfinite="skip"`` gives NaN for its bucket on every rank
    and the next step trains;
 3. **step time**: a 29M-parameter MLP, median step (forward + backward + SGD step) with DDP's own
-   fp32 allreduce and with the ALQ 3-bit hook (CUDA events around the step).
+   fp32 allreduce and with the ALQ 3-bit hook, fixed and entropy-coded wire (timed between device
+   synchronisations); on CUDA, over three more steps, the host synchronisations torch's sync
+   debug mode reports (with their source lines) and the device kernels and copies its profiler
+   records (``step_costs``).
 
     python benchmarks/gpu_check_ddp.py --out benchmarks/results/gpu_ddp.md
     python benchmarks/gpu_check_ddp.py --dry-run          # CPU, Gloo, 2 ranks, small sizes
@@ -25,6 +28,7 @@ Exit status 1 if a check fails. The report (Markdown) goes to ``--out`` (default
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime as dt
 import os
 import socket
@@ -33,6 +37,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,7 +160,7 @@ def timing_run(torch, device, sizes, steps, hook, wire="fixed"):
         opt.zero_grad()
         F.cross_entropy(net(x), y).backward()
         opt.step()
-    return median_step(torch, device, step, steps)
+    return step_costs(torch, device, step, steps)
 
 
 def median_step(torch, device, step, steps: int, warmup: int = 3) -> float:
@@ -172,6 +177,72 @@ def median_step(torch, device, step, steps: int, warmup: int = 3) -> float:
         if k >= warmup:
             times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def host_syncs(torch, step, steps: int) -> dict:
+    """Host synchronisations per call of ``step()`` that torch's sync debug mode reports
+    (``torch.cuda.set_sync_debug_mode("warn")``), with the source lines that made them."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+    return {"per_step": len(syncs) / steps, "where": dict(where.most_common(12))}
+
+
+def device_kernels(torch, step, steps: int) -> dict:
+    """Device kernels and copies per call of ``step()`` that torch's profiler records, with the
+    most frequent names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    names = collections.Counter(e.name[:60] for e in events)
+    return {"per_step": len(events) / steps, "top": dict(names.most_common(8))}
+
+
+#: Steps over which ``step_costs`` counts host synchronisations and device kernels.
+COUNTED_STEPS = 3
+
+
+def step_costs(torch, device, step, steps: int, counted: int = COUNTED_STEPS) -> dict:
+    """The median step (``median_step``) and, on CUDA, its host synchronisations and device
+    kernels per step over ``counted`` more steps."""
+    out = {"median": median_step(torch, device, step, steps), "syncs": None, "kernels": None}
+    if device.type == "cuda":
+        out["syncs"] = host_syncs(torch, step, counted)
+        out["kernels"] = device_kernels(torch, step, counted)
+    return out
+
+
+def cost_rows(label: str, costs: dict, buckets: int | None = None) -> tuple[str, str | None]:
+    """Report rows of one optimizer's ``step_costs`` (rank 0's counts): the median step, and
+    host syncs and kernels per step (None off CUDA)."""
+    time_row = f"| {label} | {costs['median'] * 1e3:.2f} ms |"
+    if costs["syncs"] is None:
+        return time_row, None
+    syncs, kernels = costs["syncs"], costs["kernels"]
+    where = ", ".join(f"`{k}` ×{v}" for k, v in syncs["where"].items()) or "—"
+    top = ", ".join(f"`{n}` ×{v}" for n, v in kernels["top"].items())
+    fused = "—" if buckets is None else str(buckets)
+    return time_row, (f"| {label} | {syncs['per_step']:.1f} | {where} | "
+                      f"{kernels['per_step']:.1f} | {fused} | {top} |")
+
+
+#: The header of the rows ``cost_rows`` gives second.
+COST_HEADER = ["| optimizer | host syncs per step | where (file:line × count) | device kernels "
+               "and copies per step | fused buckets | most frequent (name × count) |",
+               "|---|---:|---|---:|---:|---|"]
 
 
 def rank_main(rank, world, port, args, outdir):
@@ -322,14 +393,18 @@ def main() -> int:
                  for s in skips)
         failed |= not ok
         lines.append(f"| skip | {'PASS' if ok else 'FAIL'} | {[s[1] for s in skips]} |")
-    timing = []
+    timing, counts = [], []
     for name in ("time_fp32", "time_alq3", "time_alq3_entropy"):
         outs = [o[name] for o in gathered]
         if any(o[0] != "ok" for o in outs):
             failed = True
             timing.append(f"| {name} | error: {[o[1] for o in outs if o[0] != 'ok'][0][-800:]} |")
         else:
-            timing.append(f"| {name} | {max(o[1] for o in outs) * 1e3:.2f} ms |")
+            slowest = max((o[1] for o in outs), key=lambda c: c["median"])
+            row, count = cost_rows(name, {**outs[0][1], "median": slowest["median"]})
+            timing.append(row)
+            if count:
+                counts.append(count)
     report = "\n".join([
         "# GPU check of the DDP hook (NCCL)", "",
         f"- date: {dt.datetime.now().isoformat(timespec='seconds')}",
@@ -339,7 +414,10 @@ def main() -> int:
         "| check | result | details |", "|---|---|---|", *lines, "",
         f"Median step, {'dry-run model' if args.dry_run else '≈29M-parameter MLP'}, "
         "batch 64 per rank (max over ranks):", "",
-        "| mode | median step |", "|---|---:|", *timing, ""])
+        "| mode | median step |", "|---|---:|", *timing, "",
+        *([f"Host synchronisations and device work per step (rank 0, {COUNTED_STEPS} steps after "
+           "the timed ones; torch's sync debug mode and profiler):", "", *COST_HEADER, *counts,
+           ""] if counts else [])])
     write_report(args.out, report)
     return 1 if failed else 0
 

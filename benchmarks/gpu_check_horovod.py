@@ -16,35 +16,35 @@ under ``horovodrun`` (rank 0 writes the report; every rank exits 1 if a check fa
    the gradients the optimizer hands to SGD are the numpy ``decode_average`` of the payloads
    (allgather) or the two-phase chain (decode_average of chunk r, re-encoded, decoded), bit for
    bit on every rank, and the table versions advance identically (1, 1, 2);
-2. **host synchronisations**: ``torch.cuda.set_sync_debug_mode("warn")`` over whole steps
-   (forward, backward, exchange, SGD step) after three warm-up steps, for Horovod's fp32
-   optimizer and the packed one, counted per step with the source lines that made them;
-3. **step time**: a 29M-parameter MLP, median step (forward + backward + exchange + SGD step,
+2. **step time**: a 29M-parameter MLP, median step (forward + backward + exchange + SGD step,
    timed between device synchronisations), Horovod's fp32 ``DistributedOptimizer`` (NCCL
    allreduce) against the packed ALQ 3-bit optimizer with its defaults;
-4. **launches**: the device kernels and copies per step (torch's profiler) of both, with the
-   packed optimizer's number of fused buckets.
+3. **host synchronisations and launches** (CUDA; ``gpu_check_ddp.step_costs``): over three more
+   whole steps of each, the host synchronisations ``torch.cuda.set_sync_debug_mode("warn")``
+   reports, with the source lines that made them, and the device kernels and copies torch's
+   profiler records, with the packed optimizer's number of fused buckets.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime as dt
 import sys
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_check_ddp import (  # noqa: E402
+    COST_HEADER,
+    COUNTED_STEPS,
     TIMING_SIZES,
     _batch,
     _model,
-    median_step,
+    cost_rows,
+    step_costs,
     write_report,
 )
 
@@ -60,7 +60,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None, help="report path (default: print it)")
     p.add_argument("--timing-steps", type=int, default=20)
-    p.add_argument("--sync-steps", type=int, default=3)
     p.add_argument("--dry-run", action="store_true",
                    help="CPU tensors, small timing model (numbers meaningless)")
     return p.parse_args(argv)
@@ -121,59 +120,15 @@ def _optimizer(torch, hvd, model, packed: bool):
                                     compression=horovod_aq.ALQ(bits=3))
 
 
-def timing_run(torch, hvd, device, sizes, steps: int, packed: bool) -> float:
-    """Median seconds of a whole step, between device synchronisations, after 3 warm-ups."""
+def costs_run(torch, hvd, device, sizes, steps: int, packed: bool) -> dict:
+    """The median step and, on CUDA, host synchronisations and device kernels per step
+    (``gpu_check_ddp.step_costs``), with the packed optimizer's number of fused buckets."""
     model = _model(torch, sizes).to(device)
     opt = _optimizer(torch, hvd, model, packed)
     x, y = _batch(torch, sizes, hvd.rank(), 0, device, n=64)
-    return median_step(torch, device, lambda: _step(torch, model, opt, x, y), steps)
-
-
-def _warmed(torch, hvd, device, sizes, packed: bool):
-    """The model, its optimizer and a batch after 3 steps (tables fitted, buffers allocated)."""
-    model = _model(torch, sizes).to(device)
-    opt = _optimizer(torch, hvd, model, packed)
-    x, y = _batch(torch, sizes, hvd.rank(), 0, device, n=64)
-    for _ in range(3):
-        _step(torch, model, opt, x, y)
-    torch.cuda.synchronize()
-    return model, opt, x, y
-
-
-def sync_run(torch, hvd, device, sizes, steps: int, packed: bool) -> dict:
-    """Host synchronisations per step that torch's sync debug mode reports, by source line."""
-    if device.type != "cuda":
-        return {"per_step": None, "where": {}}
-    model, opt, x, y = _warmed(torch, hvd, device, sizes, packed)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(steps):
-                _step(torch, model, opt, x, y)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
-    return {"per_step": len(syncs) / steps, "where": dict(where.most_common(12))}
-
-
-def launch_run(torch, hvd, device, sizes, steps: int, packed: bool) -> dict:
-    """Device kernels and copies per step that torch's profiler records, and the buckets."""
-    if device.type != "cuda":
-        return {"per_step": None, "buckets": None, "top": {}}
-    from torch.profiler import ProfilerActivity, profile
-
-    model, opt, x, y = _warmed(torch, hvd, device, sizes, packed)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            _step(torch, model, opt, x, y)
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    names = collections.Counter(e.name[:60] for e in events)
-    return {"per_step": len(events) / steps,
-            "buckets": len(opt.buckets) if packed else None,
-            "top": dict(names.most_common(8))}
+    costs = step_costs(torch, device, lambda: _step(torch, model, opt, x, y), steps)
+    costs["buckets"] = len(opt.buckets) if packed else None
+    return costs
 
 
 def outcome(fn, *args):
@@ -256,26 +211,19 @@ def report(args, gathered: list[dict], device: str, world: int, seconds: float) 
             "gradients bit-exact vs numpy decode" + ("" if ef else ", payloads vs codec.encode")
             + ", versions 1,1,2")
         lines.append(f"| {name} | {'PASS' if not problems else 'FAIL'} | {detail} |")
-    timing, syncs, launches = [], [], []
+    timing, counts = [], []
     for label, key in (("Horovod fp32 (allreduce)", "fp32"),
                        ("packed ALQ 3-bit, defaults", "alq3")):
-        t = [o[f"time {key}"] for o in gathered]
-        s = [o[f"sync {key}"] for o in gathered]
-        k = [o[f"launch {key}"] for o in gathered]
-        if any(o[0] != "ok" for o in t + s + k):
+        outs = [o[f"costs {key}"] for o in gathered]
+        if any(o[0] != "ok" for o in outs):
             failed = True
-            err = [o[1] for o in t + s + k if o[0] != "ok"][0][-800:]
-            timing.append(f"| {label} | error: {err} |")
+            timing.append(f"| {label} | error: {[o[1] for o in outs if o[0] != 'ok'][0][-800:]} |")
             continue
-        timing.append(f"| {label} | {max(o[1] for o in t) * 1e3:.2f} ms |")
-        first, kernels = s[0][1], k[0][1]
-        if first["per_step"] is not None:
-            where = ", ".join(f"`{k}` ×{v}" for k, v in first["where"].items()) or "—"
-            syncs.append(f"| {label} | {first['per_step']:.1f} | {where} |")
-        if kernels["per_step"] is not None:
-            top = ", ".join(f"`{n}` ×{v}" for n, v in kernels["top"].items())
-            buckets = "—" if kernels["buckets"] is None else str(kernels["buckets"])
-            launches.append(f"| {label} | {kernels['per_step']:.1f} | {buckets} | {top} |")
+        slowest = max(o[1]["median"] for o in outs)
+        row, count = cost_rows(label, {**outs[0][1], "median": slowest}, outs[0][1]["buckets"])
+        timing.append(row)
+        if count:
+            counts.append(count)
     out = [
         "# GPU check of the Horovod packed optimizer", "",
         f"- date: {dt.datetime.now().isoformat(timespec='seconds')}",
@@ -288,17 +236,10 @@ def report(args, gathered: list[dict], device: str, world: int, seconds: float) 
         f"Median step, {'dry-run model' if args.dry_run else '≈29M-parameter MLP'}, "
         "batch 64 per rank (max over ranks):", "",
         "| optimizer | median step |", "|---|---:|", *timing, ""]
-    if syncs:
-        out += [f"Host synchronisations per step (rank 0, torch's sync debug mode, "
-                f"{args.sync_steps} steps after 3 warm-ups):", "",
-                "| optimizer | per step | where (file:line × count) |", "|---|---:|---|",
-                *syncs, ""]
-    if launches:
-        out += [f"Device kernels and copies per step (rank 0, torch's profiler, "
-                f"{args.sync_steps} steps after 3 warm-ups; the model's forward, backward and "
-                "SGD step included):", "",
-                "| optimizer | per step | fused buckets | most frequent (name × count) |",
-                "|---|---:|---:|---|", *launches, ""]
+    if counts:
+        out += [f"Host synchronisations and device work per step (rank 0, {COUNTED_STEPS} steps "
+                "after the timed ones; torch's sync debug mode and profiler; the model's forward, "
+                "backward and SGD step included):", "", *COST_HEADER, *counts, ""]
     return "\n".join(out), failed
 
 
@@ -324,12 +265,8 @@ def main(argv=None) -> int:
         outcomes[f"oracle {exchange}{', error feedback' if ef else ''}"] = outcome(
             oracle_run, torch, hvd, device, exchange, ef)
     for key, packed in (("fp32", False), ("alq3", True)):
-        outcomes[f"time {key}"] = outcome(timing_run, torch, hvd, device, sizes,
-                                          args.timing_steps, packed)
-        outcomes[f"sync {key}"] = outcome(sync_run, torch, hvd, device, sizes,
-                                          args.sync_steps, packed)
-        outcomes[f"launch {key}"] = outcome(launch_run, torch, hvd, device, sizes,
-                                            args.sync_steps, packed)
+        outcomes[f"costs {key}"] = outcome(costs_run, torch, hvd, device, sizes,
+                                           args.timing_steps, packed)
     gathered = hvd.allgather_object(outcomes)
     text, failed = report(args, gathered, name, hvd.size(), time.perf_counter() - started)
     if hvd.rank() == 0:

@@ -96,3 +96,33 @@ def test_gpu_check_horovod_dry_run_passes(tmp_path):
     text = out.read_text()
     assert text.count("| PASS |") == 4 and "FAIL" not in text
     assert "payloads vs codec.encode" in text and "packed ALQ 3-bit" in text
+
+
+def test_step_costs_count_what_the_sync_debug_mode_reports():
+    """The CUDA-only counting of gpu_check_ddp.step_costs (host syncs by source line, the report
+    rows), driven by a stand-in for torch.cuda that warns like the sync debug mode."""
+    import types
+    import warnings
+
+    from benchmarks import gpu_check_ddp as g
+
+    mode = []
+    cuda = types.SimpleNamespace(synchronize=lambda: None, set_sync_debug_mode=mode.append)
+    fake = types.SimpleNamespace(cuda=cuda)
+
+    def step():   # two synchronising calls per step when the mode is "warn"
+        if mode[-1] == "warn":
+            for _ in range(2):
+                warnings.warn("called a synchronizing CUDA operation", UserWarning)
+    syncs = g.host_syncs(fake, step, 3)
+    assert syncs["per_step"] == 2.0 and mode == ["warn", "default"]
+    assert sum(syncs["where"].values()) == 6
+    assert all(k.startswith("test_gpu_build.py:") for k in syncs["where"])
+    costs = {"median": 0.0125, "syncs": syncs, "kernels": {"per_step": 41.0, "top": {"k": 9}}}
+    time_row, count_row = g.cost_rows("packed", costs, buckets=4)
+    assert time_row == "| packed | 12.50 ms |"
+    assert count_row.startswith("| packed | 2.0 | `test_gpu_build.py:")
+    assert count_row.endswith("| 41.0 | 4 | `k` ×9 |")
+    assert len(g.COST_HEADER[0].split("|")) == len(count_row.split("|"))
+    assert g.cost_rows("fp32", {"median": 0.002, "syncs": None, "kernels": None}) == (
+        "| fp32 | 2.00 ms |", None)
