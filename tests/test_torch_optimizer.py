@@ -926,6 +926,7 @@ def test_entropy_wire_marker_stops_every_rank(launch):
     messages = [r["nan"] for r in _get(launch, entropy_wire)]
     assert len(set(messages)) == 1, messages
     assert messages[0].startswith("NonFiniteGradientError") and "on rank 1" in messages[0]
+    assert "'2.bias'" in messages[0], messages[0]   # the first bucket's, on every rank
 
 
 @pytest.mark.reads("entropy_training")

@@ -108,7 +108,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         self._aq_checked = False
         self._aq_skip = False
         #: The first error a bucket of this step raised (kept until every bucket finished).
-        self._aq_error: BaseException | None = None
+        self._aq_error: tuple[int, BaseException] | None = None   # (bucket index, error)
         #: A collective of this step was submitted by this rank (zero_grad can no longer
         #: forget the step: the other ranks would wait for, or meet, that collective).
         self._aq_submitted = False
@@ -310,6 +310,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         what trains collected before it or submitted after it (``packed.trainable.agree_first``);
         otherwise the agreement goes out, collected by :meth:`synchronize`."""
         if self._aq_started is None:
+            self._aq_error = None   # a step that raised elsewhere (e.g. its agreement) left it
             self._aq_follow_trainable()
             checkpoint.adopt_broadcast(self)
             self._aq_follow_world()
@@ -432,11 +433,12 @@ class _PackedOptimizer(torch.optim.Optimizer):
         return result
 
     def _aq_fail(self, bucket: OptimizerBucket, exc: BaseException) -> torch.Tensor:
-        """A bucket that raised (the same error at the same bucket on every rank): its error is
-        kept for :meth:`synchronize`, which raises the step's first once every bucket finished,
-        and its result is zeros until then."""
-        if self._aq_error is None:
-            self._aq_error = exc
+        """A bucket that raised: its error is kept for :meth:`synchronize`, which raises, once
+        every bucket finished, the error of the lowest-numbered bucket that raised (ranks meet
+        failing buckets in different orders, each bucket's error is the same on every rank), and
+        its result is zeros until then."""
+        if self._aq_error is None or bucket.index < self._aq_error[0]:
+            self._aq_error = (bucket.index, exc)
         bucket.stage, bucket.pending = "failed", None
         bucket.result = torch.zeros(bucket.numel, dtype=torch.float32,
                                     device=bucket.buffer.device)
@@ -447,9 +449,9 @@ class _PackedOptimizer(torch.optim.Optimizer):
         if self._aq_started is None and self._aq_hooks:
             self._aq_begin()   # no hook ran this step: plan before the missing gradients go
         elif self._aq_started is None:
+            self._aq_error = None
             checkpoint.adopt_broadcast(self)
-        self._aq_skip = False
-        self._aq_error = None
+        self._aq_skip = False   # not the error: buckets that failed during the backward keep it
         try:
             self._aq_agree()   # first: a rank that changed alone must not leave others waiting
             _HorovodOptimizer.synchronize(self)
@@ -458,7 +460,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
             joined, self._aq_joined = self._aq_joined, None
             self._aq_joined_before = joined is not None
         if self._aq_error is not None:   # after every bucket finished (_aq_result)
-            error, self._aq_error = self._aq_error, None
+            (_, error), self._aq_error = self._aq_error, None
             self._aq_submitted, self._aq_started = False, None   # the step did not happen
             for bucket in self._aq_buckets:
                 bucket.reset()
