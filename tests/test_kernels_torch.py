@@ -333,3 +333,74 @@ def test_the_ops_refuse_bad_norms_like_the_oracle(monkeypatch, value):
     with pytest.raises(PayloadError) as got:
         tk.decode(torch.from_numpy(payload), uniform_table(3))
     assert str(got.value) == str(want.value) and "in bucket 3 of 7" in str(got.value)
+
+
+# ------------------------------------------------------------------- flagged decode (wire)
+
+
+def _plain_rows(table: LevelTable, n: int = 40, B: int = 8, world: int = 3) -> torch.Tensor:
+    return torch.stack([torch.from_numpy(codec.encode(gradient(n, seed=r), table, bucket_size=B,
+                                                      seed=r)) for r in range(world)])
+
+
+def _spoiled(table: LevelTable) -> dict[str, torch.Tensor]:
+    """Rows [P, size] that the flagged decode must not accept, one spoilt row (rank 1) each."""
+    n, B = 40, 8
+
+    def with_row(raw: np.ndarray) -> torch.Tensor:
+        rows = _plain_rows(table, n, B).clone()
+        rows[1] = torch.from_numpy(raw)
+        return rows
+
+    good = codec.encode(gradient(n, 1), table, bucket_size=B, seed=1)
+    marker = good.copy()
+    marker[:codec.HEADER_SIZE] = np.frombuffer(codec.make_header(
+        n, table, B, "l2", first_nonfinite=5), np.uint8)
+    negative_norm = good.copy()
+    negative_norm[codec.HEADER_SIZE:codec.HEADER_SIZE + 4] = np.frombuffer(
+        np.float32(-1.0).tobytes(), np.uint8)
+    other_table = codec.encode(gradient(n, 1), LevelTable(table.levels, table.version + 1),
+                               bucket_size=B, seed=1)
+    return {"marker": with_row(marker), "joined": with_row(np.zeros_like(good)),
+            "checksum": with_row(codec.encode(gradient(n, 1), table, bucket_size=B, seed=1,
+                                              checksum=True)),
+            "other table": with_row(other_table), "negative norm": with_row(negative_norm)}
+
+
+@pytest.mark.parametrize("impl", ["auto", "ops"])
+def test_flagged_decode_is_the_checked_decode_of_plain_rows(monkeypatch, impl):
+    """On plain payloads: decode_average (average) or the rows' decodes (concatenated), bit
+    for bit, with the flag True."""
+    monkeypatch.setattr(tk, "IMPLEMENTATION", impl)
+    table = uniform_table(3)
+    rows = _plain_rows(table)
+    values, ok = tk.decode_flagged(rows, table, numel=40, bucket_size=8, norm="l2")
+    assert bool(ok)
+    np.testing.assert_array_equal(f32_bits(values), f32_bits(codec.decode_average(
+        rows.numpy(), table)))
+    values, ok = tk.decode_flagged(rows, table, numel=40, bucket_size=8, norm="l2",
+                                   average=False)
+    assert bool(ok) and values.numel() == 3 * 40
+    np.testing.assert_array_equal(f32_bits(values), f32_bits(np.concatenate(
+        [codec.decode(r, table) for r in rows.numpy()])))
+
+
+@pytest.mark.parametrize("impl", ["auto", "ops"])
+def test_flagged_decode_refuses_what_the_checked_path_decides(monkeypatch, impl):
+    """A marker, a joined rank's zeros, a checksum, another table, a bad norm, a code past the
+    table, another size: never a True flag (None on CPU's fused path, where checks are free)."""
+    monkeypatch.setattr(tk, "IMPLEMENTATION", impl)
+    table = uniform_table(3)
+    cases = _spoiled(table)
+    short = _plain_rows(table)[:, :-1]
+    assert tk.decode_flagged(short, table, numel=40, bucket_size=8, norm="l2") is None
+    bad_code = _plain_rows(TERNARY)   # 2 bits, 3 levels: code 3 is invalid
+    bad_code[2, -1] = 0xFF
+    for name, rows, tab in [*((k, v, table) for k, v in cases.items()),
+                            ("code 3", bad_code, TERNARY)]:
+        for average in (True, False):
+            got = tk.decode_flagged(rows, tab, numel=40, bucket_size=8, norm="l2",
+                                    average=average)
+            assert got is None or not bool(got[1]), (name, average)
+            if impl == "ops":
+                assert got is not None, name   # the torch ops flag it on the device

@@ -19,6 +19,7 @@ from horovod_aq.packed.waiting import Deadline, ExchangeStalledError
 torch = pytest.importorskip("torch")
 wire_mod = pytest.importorskip("horovod_aq.torch.wire")
 compensated = pytest.importorskip("horovod_aq.torch.compensated")
+kernels_mod = pytest.importorskip("horovod_aq.torch.kernels")
 
 B = 16
 SEED = 5
@@ -74,6 +75,14 @@ class Loopback:
 
 
 NAMES, NUMELS = ("w", "b", "v"), (40, 7, 23)
+
+
+@pytest.fixture(params=["auto", "ops"])
+def kernels(request, monkeypatch):
+    """An engine test with CPU's fused kernels and with the torch ops that run on a device
+    (their decode decides plain rows by a device flag, docs/protocol.md §5.8)."""
+    monkeypatch.setattr(kernels_mod, "IMPLEMENTATION", request.param)
+    return request.param
 
 
 #: A bucket large enough that entropy-coded payloads are smaller than fixed-width ones.
@@ -132,8 +141,9 @@ def _oracle(grads, mode, table):
 
 @pytest.mark.parametrize("mode, P", [("allgather", 2), ("allgather", 3), ("two_phase", 3),
                                      ("two_phase", 4)])
-def test_the_engine_equals_the_numpy_oracle_and_taps_every_payload(mode, P):
-    _, ranks = _ranks(P, mode, _qsgd)
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_engine_equals_the_numpy_oracle_and_taps_every_payload(kernels, mode, P, masked):
+    _, ranks = _ranks(P, mode, _qsgd, masked=masked)
     tapped = []
     for comp, wire, bucket in ranks:
         wire.tap = lambda b, part, values, payload, r=wire.stream_rank: tapped.append((r, part))
@@ -179,7 +189,7 @@ def _marker_errors(ranks, grads):
 
 
 @pytest.mark.parametrize("mode", ["allgather", "two_phase"])
-def test_a_marker_names_rank_and_parameter_on_every_rank(mode):
+def test_a_marker_names_rank_and_parameter_on_every_rank(kernels, mode):
     P = 3
     _, ranks = _ranks(P, mode, _qsgd)
     grads = _grads(P)
@@ -188,7 +198,7 @@ def test_a_marker_names_rank_and_parameter_on_every_rank(mode):
     assert len(set(errors)) == 1 and "on rank 2" in errors[0] and "'b'" in errors[0]
 
 
-def test_skip_gives_nan_on_every_rank():
+def test_skip_gives_nan_on_every_rank(kernels):
     P = 2
     _, ranks = _ranks(P, "two_phase",
                       lambda: horovod_aq.QSGD(bits=3, bucket_size=B, seed=SEED, nonfinite="skip"))
@@ -199,7 +209,7 @@ def test_skip_gives_nan_on_every_rank():
     assert all(bucket.skipped for _, _, bucket in ranks)
 
 
-def test_presence_masks_zero_what_no_rank_had():
+def test_presence_masks_zero_what_no_rank_had(kernels):
     P = 3
     _, ranks = _ranks(P, "two_phase", _qsgd, masked=True)
     grads = _grads(P)
@@ -221,7 +231,7 @@ def test_a_stalled_wait_ends_with_an_error_naming_the_collective():
     assert "'aq.ag.t.0.abc'" in str(err.value) and "at step 7" in str(err.value)
 
 
-def test_a_zero_filled_row_is_a_joined_rank():
+def test_a_zero_filled_row_is_a_joined_rank(kernels):
     net = Network(2, zero_fills_joined=True)
     _, ranks = _ranks(2, "allgather", _qsgd, net=net)
     comp, wire, bucket = ranks[0]

@@ -370,6 +370,25 @@ def test_corrupt_payloads_are_refused_like_the_oracle(monkeypatch, corrupt):
         assert ("code 7" if corrupt == "code" else "negative or non-finite") in message
 
 
+@pytest.mark.parametrize("corrupt", [None, "code", "negative-norm", "nan-norm"])
+def test_flagged_rows_decode_without_refusing(corrupt):
+    """``decode_rows_flagged`` (the wire's decode, no host sync): the oracle's average with
+    every flag True, and a False flag instead of an error on a corrupt row."""
+    table = LevelTable([-1.0, -0.2, 0.1, 0.7, 1.0], 1)
+    rows_np = np.stack([oracle(sample(200, 64, seed=20 + r), table, 64, "l2", StreamKey(seed=r))
+                        for r in range(3)])
+    if corrupt == "code":
+        rows_np[1, -1] = 0xFF
+    elif corrupt:
+        value = {"negative-norm": -1.0, "nan-norm": np.nan}[corrupt]
+        rows_np[2, 32:36] = np.frombuffer(np.float32(value).tobytes(), np.uint8)
+    header = codec.parse_header(rows_np[0, :32])
+    out, flags = tk.decode_rows_flagged(torch.from_numpy(rows_np).to(DEVICE), header, table, True)
+    assert bool(torch.stack(flags).all()) == (corrupt is None)
+    if corrupt is None:
+        assert as_bytes(out) == codec.decode_average(rows_np, table).tobytes()
+
+
 # ------------------------------------------------------------------------------------ errors
 
 

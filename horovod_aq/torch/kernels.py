@@ -25,7 +25,9 @@ whole gradient without a pass over it); explicit ``uniforms`` add a range check.
 ``decode_average`` copy the 32-byte headers to the host once to validate them, and sync once at
 the end on one flag (every norm finite and ≥ 0, every code < N — the codes are checked only for
 tables with N < 2^b levels, the only ones where a code can be invalid); on a bad payload they
-rerun the numpy oracle on a host copy, so they raise its ``PayloadError`` and message. Nothing
+rerun the numpy oracle on a host copy, so they raise its ``PayloadError`` and message.
+``decode_flagged`` (the wire's) does neither: it compares the headers with the expected one on
+the device and returns the values with one device flag for the caller to read. Nothing
 else leaves the device, except with ``checksum``: a checksummed payload (``FLAG_CHECKSUM``) is
 CRC-32'd on the host (zero-copy for CPU tensors, a device-to-host copy otherwise), at encode and
 at decode.
@@ -70,9 +72,9 @@ from horovod_aq.torch.payload import (
 )
 from horovod_aq.torch.stats import bucket_moments, normalized_histogram
 
-__all__ = ["bucket_moments", "bucket_norms", "decode", "decode_average", "encode",
-           "first_nonfinite", "normalized_histogram", "pack_bits", "quantize", "stream_uniforms",
-           "unpack_bits"]
+__all__ = ["bucket_moments", "bucket_norms", "decode", "decode_average", "decode_flagged",
+           "encode", "first_nonfinite", "normalized_histogram", "pack_bits", "quantize",
+           "stream_uniforms", "unpack_bits"]
 
 #: Work on about this many elements at a time (rounded to whole buckets and groups of 8 codes),
 #: so that the float64 and index temporaries of one chunk stay in the CPU caches.
@@ -512,16 +514,75 @@ def decode_average(
         return _decode_with(impl, "decode_average", payloads, levels, dtype, numel, bucket_size,
                             norm)
     table = codec.as_table(levels)
-    headers, first = checked_headers(payloads, table, numel, bucket_size, norm)
-    world = len(headers)
+    headers, _ = checked_headers(payloads, table, numel, bucket_size, norm)
     valid: list[torch.Tensor] = []
-    acc = _decode_checked(payloads[0], first, table, valid)
+    acc = _average_checked(payloads, headers, table, valid)
+    check_valid(valid, lambda: codec.decode_average(payloads.detach().cpu().numpy(), table))
+    return acc.to(dtype)
+
+
+def _average_checked(payloads: torch.Tensor, headers: list[codec.Header], table: LevelTable,
+                     valid: list[torch.Tensor]) -> torch.Tensor:
+    """The average of the rows (each divided by P, added in rank order: codec step 7)."""
+    world = len(headers)
+    acc = _decode_checked(payloads[0], headers[0], table, valid)
     divisor = torch.full((), world, dtype=torch.float32, device=acc.device)
     acc.div_(divisor)
     for rank in range(1, world):
         acc.add_(_decode_checked(payloads[rank], headers[rank], table, valid).div_(divisor))
-    check_valid(valid, lambda: codec.decode_average(payloads.detach().cpu().numpy(), table))
-    return acc.to(dtype)
+    return acc
+
+
+def decode_flagged(rows: torch.Tensor, levels: LevelTable | Any, *, numel: int,
+                   bucket_size: int, norm: str, average: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Decode payload rows [P, size] that should be exactly what ``encode(·, levels,
+    bucket_size=, norm=)`` writes for ``numel`` elements, with no host synchronisation:
+    (values, ok), ``ok`` a 0-dim bool tensor on the rows' device that is True iff every row's
+    header is that encode's (so no non-finite marker, joined rank, checksum, other table or
+    settings) and every norm is finite and ≥ 0 and every code < N.
+
+    ``average``: the values are ``decode_average`` of the rows, bit for bit; otherwise the rows
+    decoded one after another, concatenated (P·numel values). Where ``ok`` is False the values
+    mean nothing: the caller decodes the same rows with the checked decoders, which raise the
+    oracle's errors (docs/protocol.md §5.8). None where that is known without a synchronisation:
+    the rows' size differs, or on CPU (host memory, read at no cost) a check failed."""
+    table = codec.as_table(levels)
+    check_payload_tensor(rows, 2)
+    if rows.shape[0] == 0 or rows.shape[1] != codec.payload_size(numel, table.bits,
+                                                                  bucket_size):
+        return None
+    expected = header_tensor(numel, table, bucket_size, norm, rows.device)
+    same = (rows[:, :HEADER_SIZE] == expected).all()
+    impl = implementation_for(rows.device)
+    if impl == "fused":
+        if not bool(same):   # host memory: no synchronisation
+            return None
+        kwargs = {"numel": numel, "bucket_size": bucket_size, "norm": norm}
+        try:   # the fused decoders check norms and codes as they go
+            out = (_decode_with(impl, "decode_average", rows, table, torch.float32, **kwargs)
+                   if average else torch.cat([_decode_with(impl, "decode", row, table,
+                                                           torch.float32, **kwargs)
+                                              for row in rows]))
+        except PayloadError:
+            return None
+        return out, same
+    header = codec.parse_header(codec.make_header(numel, table, bucket_size, norm))
+    valid = [same]
+    if impl == "triton":
+        if average:
+            out, flags = triton_kernels.decode_rows_flagged(rows, header, table, True)
+            valid += flags
+        else:
+            parts = [triton_kernels.decode_rows_flagged(rows[r:r + 1], header, table, False)
+                     for r in range(rows.shape[0])]
+            out = torch.cat([part for part, _ in parts])
+            valid += [flag for _, flags in parts for flag in flags]
+    elif average:
+        out = _average_checked(rows, [header] * rows.shape[0], table, valid)
+    else:
+        out = torch.cat([_decode_checked(row, header, table, valid) for row in rows])
+    return out, torch.stack(valid).all()
 
 
 def _decode_with(impl: str, op: str, payload: torch.Tensor, levels: Any, dtype: torch.dtype,

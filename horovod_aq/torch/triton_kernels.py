@@ -41,8 +41,8 @@ from horovod_aq.codec.stream import MAX_STREAM_NUMEL, StreamKey
 from horovod_aq.levels.table import LevelTable
 from horovod_aq.torch import payload as common
 
-__all__ = ["available", "decode", "decode_average", "encode", "interpreting",
-           "unavailable_reason"]
+__all__ = ["available", "decode", "decode_average", "decode_rows_flagged", "encode",
+           "interpreting", "unavailable_reason"]
 
 #: Elements of one norm tile (float64 in the l2 kernel). Buckets up to this width (rounded up
 #: to a power of two) take one pass; wider ones are first reduced to this width (module doc).
@@ -523,16 +523,17 @@ def encode(
     return common.seal_checksum(payload) if checksum else payload
 
 
-def _decode_rows(rows: torch.Tensor, header: codec.Header, table: LevelTable,
-                 average: bool) -> torch.Tensor:
-    """float32 decode of row 0 (``average`` False) or the average of all rows of a validated
-    [P, size] uint8 tensor; refuses bad norms and codes like the oracle (one sync)."""
+def decode_rows_flagged(rows: torch.Tensor, header: codec.Header, table: LevelTable,
+                        average: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """float32 decode of row 0 (``average`` False) or the average of all rows of a [P, size]
+    uint8 tensor whose headers are ``header``, with the 0-dim bool device flags that are all
+    True iff every norm is finite and ≥ 0 and every code < N (no host synchronisation)."""
     n, bits = header.numel, header.bits
     device = rows.device
     with _prepare_device(device):
         out = torch.empty(n, dtype=torch.float32, device=device)
         if n == 0:
-            return out
+            return out, []
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         world = rows.shape[0] if average else 1
@@ -551,6 +552,14 @@ def _decode_rows(rows: torch.Tensor, header: codec.Header, table: LevelTable,
         valid = [(torch.isfinite(norms) & (norms >= 0)).all()]
         if tab.num_levels < (1 << bits):  # a code past the table is looked up as NaN
             valid.append(~torch.isnan(out).any())
+    return out, valid
+
+
+def _decode_rows(rows: torch.Tensor, header: codec.Header, table: LevelTable,
+                 average: bool) -> torch.Tensor:
+    """:func:`decode_rows_flagged` of validated rows, refusing bad norms and codes like the
+    oracle (one sync)."""
+    out, valid = decode_rows_flagged(rows, header, table, average)
     host = (lambda: codec.decode_average(rows.cpu().numpy(), table)) if average else (
         lambda: codec.decode(rows[0].cpu().numpy(), table))
     common.check_valid(valid, host)

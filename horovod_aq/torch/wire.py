@@ -20,7 +20,8 @@ Stages of a bucket (``Bucket.stage``)::
    one allgather "aq.ag.<bucket>" of the payload, or one alltoall "aq.a2a.<bucket>" of the P
    chunk payloads (markers in their place when the gradient cannot travel).
 2. :meth:`Wire.advance` (two-phase): waits for the alltoall, decides on the received chunks
-   (``packed.receive``), decodes and averages chunk r, zeroes what is not gradient
+   (plain payloads by one device flag, anything else by ``packed.receive``: docs/protocol.md
+   §5.8), decodes and averages chunk r, zeroes what is not gradient
    (``packed.chunks``), re-encodes it with part P and starts the allgather "aq.ag.<bucket>".
 3. When an allgather's rows arrive they are checked and decoded (all P payloads averaged, or
    the P averaged chunks concatenated) — in the work's callback under ``torch.distributed``
@@ -451,6 +452,35 @@ class Wire:
         """[P, size] rows (fixed coding) or a list of P rows (entropy coding)."""
         return received.row_list() if bucket.variable else received.rows()
 
+    def _flagged(self, bucket: Bucket, rows: Rows, numel: int, *,
+                 average: bool = True) -> torch.Tensor | None:
+        """The decode of fixed-coded ``rows`` when they are plain payloads: no marker, no
+        joined rank, no checksum, every presence bit set, every header what this rank's encode
+        writes, every norm and code valid (``kernels.decode_flagged``), decided by one device
+        flag and so one host synchronisation; None otherwise, and the caller takes the checked
+        path, which decides and raises as the oracle (docs/protocol.md §5.8)."""
+        if isinstance(rows, list):
+            return None
+        k = bucket.mask_bytes if average else 0   # re-encoded chunks carry no mask
+        got = kernels.decode_flagged(rows[:, :-k] if k else rows, bucket.table, numel=numel,
+                                     bucket_size=self.q.bucket_size, norm=self.q.norm,
+                                     average=average)
+        if got is None:
+            return None
+        values, ok = got
+        if k:
+            ok = ok & (rows[:, -k:] == self._full_mask(bucket, rows.device)).all()
+        return values if bool(ok) else None   # the one synchronisation
+
+    @staticmethod
+    def _full_mask(bucket: Bucket, device: torch.device) -> torch.Tensor:
+        """The presence mask with every bit set, made on the device (no host copy)."""
+        full = torch.full((bucket.mask_bytes,), 0xFF, dtype=torch.uint8, device=device)
+        tail = len(bucket.names) % 8   # np.packbits: the first names take the high bits
+        if tail:
+            full[-1] = (0xFF << (8 - tail)) & 0xFF
+        return full
+
     def _decode_average(self, bucket: Bucket, rows: Rows, numel: int) -> torch.Tensor:
         q = self.q
         average = entropy.decode_average if isinstance(rows, list) else kernels.decode_average
@@ -494,12 +524,13 @@ class Wire:
         collective = names.alltoall_name(bucket.name)
         received = self._wait(bucket, collective)
         rows = self._rows(bucket, received)
-        if self._outcome(bucket, rows, collective) == SKIP:
-            return
-        rows = self._unmask(bucket, rows)
         m = chunk_numel(bucket.numel, P, q.bucket_size)
         started = time.perf_counter()
-        chunk = self._decode_average(bucket, rows, m)
+        chunk = self._flagged(bucket, rows, m)
+        if chunk is None:
+            if self._outcome(bucket, rows, collective) == SKIP:
+                return
+            chunk = self._decode_average(bucket, self._unmask(bucket, rows), m)
         self.seconds["decode"] += time.perf_counter() - started
         for lo, hi in chunk_zero_spans(bucket.numel, m, self.rank, bucket.spans(bucket.gone)):
             chunk[lo:hi] = 0.0
@@ -514,17 +545,21 @@ class Wire:
         rows = self._rows(bucket, received)
         started = time.perf_counter()
         if bucket.stage == "ag":
-            if self._outcome(bucket, rows, collective) == SKIP:
-                return
-            rows = self._unmask(bucket, rows)
-            result = self._decode_average(bucket, rows, bucket.numel)
+            result = self._flagged(bucket, rows, bucket.numel)
+            if result is None:
+                if self._outcome(bucket, rows, collective) == SKIP:
+                    return
+                result = self._decode_average(bucket, self._unmask(bucket, rows), bucket.numel)
         else:
-            if self.comm.zero_fills_joined:
-                check_joined(_heads(rows), collective)
             m = chunk_numel(bucket.numel, self.ranks, q.bucket_size)
-            decode = entropy.decode if bucket.variable else kernels.decode
-            result = torch.cat([decode(row, bucket.table, numel=m, bucket_size=q.bucket_size,
-                                       norm=q.norm) for row in rows])[:bucket.numel]
+            result = self._flagged(bucket, rows, m, average=False)
+            if result is None:
+                if self.comm.zero_fills_joined:
+                    check_joined(_heads(rows), collective)
+                decode = entropy.decode if bucket.variable else kernels.decode
+                result = torch.cat([decode(row, bucket.table, numel=m, bucket_size=q.bucket_size,
+                                           norm=q.norm) for row in rows])
+            result = result[:bucket.numel]
         for offset, numel in bucket.spans(bucket.gone):   # exact zeros where no rank had one
             result[offset:offset + numel] = 0.0
         self.seconds["decode"] += time.perf_counter() - started
