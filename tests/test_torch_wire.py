@@ -77,11 +77,19 @@ class Loopback:
 NAMES, NUMELS = ("w", "b", "v"), (40, 7, 23)
 
 
-@pytest.fixture(params=["auto", "ops"])
+@pytest.fixture(params=["auto", "ops", "triton"])
 def kernels(request, monkeypatch):
-    """An engine test with CPU's fused kernels and with the torch ops that run on a device
-    (their decode decides plain rows by a device flag, docs/protocol.md §5.8)."""
-    monkeypatch.setattr(kernels_mod, "IMPLEMENTATION", request.param)
+    """An engine test with CPU's fused kernels, with the torch ops that run on a device, and
+    with the Triton kernels (in Triton's interpreter without a GPU; conftest.py): the device
+    ones decide plain rows by a device flag (docs/protocol.md §5.8)."""
+    if request.param == "triton":
+        from horovod_aq.torch import triton_kernels
+
+        if not (triton_kernels.available() and triton_kernels.interpreting()):
+            pytest.skip("Triton's interpreter runs the kernels on CPU tensors")
+        monkeypatch.setattr(kernels_mod, "implementation_for", lambda device: "triton")
+    else:
+        monkeypatch.setattr(kernels_mod, "IMPLEMENTATION", request.param)
     return request.param
 
 

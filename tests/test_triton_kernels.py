@@ -389,6 +389,26 @@ def test_flagged_rows_decode_without_refusing(corrupt):
         assert as_bytes(out) == codec.decode_average(rows_np, table).tobytes()
 
 
+@cuda_only
+def test_the_wires_flagged_decode_on_cuda():
+    """``torch.kernels.decode_flagged`` on CUDA rows takes the Triton decoder: the oracle's
+    average and the rows' decodes, with a True flag; a non-finite marker row flags False."""
+    table = table_for(3)
+    rows_np = np.stack([oracle(sample(300, 64, seed=30 + r), table, 64, "l2", StreamKey(seed=r))
+                        for r in range(3)])
+    rows = torch.from_numpy(rows_np).to(DEVICE)
+    values, ok = torch_kernels.decode_flagged(rows, table, numel=300, bucket_size=64, norm="l2")
+    assert bool(ok) and as_bytes(values) == codec.decode_average(rows_np, table).tobytes()
+    values, ok = torch_kernels.decode_flagged(rows, table, numel=300, bucket_size=64, norm="l2",
+                                              average=False)
+    assert bool(ok) and as_bytes(values) == np.concatenate(
+        [codec.decode(r, table) for r in rows_np]).tobytes()
+    rows[1, :32] = torch.from_numpy(np.frombuffer(codec.make_header(
+        300, table, 64, "l2", first_nonfinite=7), np.uint8).copy()).to(DEVICE)
+    assert not bool(torch_kernels.decode_flagged(rows, table, numel=300, bucket_size=64,
+                                                 norm="l2")[1])
+
+
 # ------------------------------------------------------------------------------------ errors
 
 
