@@ -404,3 +404,20 @@ def test_flagged_decode_refuses_what_the_checked_path_decides(monkeypatch, impl)
             assert got is None or not bool(got[1]), (name, average)
             if impl == "ops":
                 assert got is not None, name   # the torch ops flag it on the device
+
+
+@pytest.mark.parametrize("impl", ["auto", "ops"])
+def test_a_checked_encode_is_the_same_encode(monkeypatch, impl):
+    """``checked=True`` (the wire after packed.send's step 2): the same bytes; the fused CPU
+    kernel and the torch ops still refuse non-finite input (the Triton kernel skips the check:
+    tests/test_triton_kernels.py)."""
+    monkeypatch.setattr(tk, "IMPLEMENTATION", impl)
+    x = torch.from_numpy(gradient(50))
+    key = codec.StreamKey(seed=3)
+    assert torch.equal(tk.encode(x, TERNARY, bucket_size=8, key=key, checked=True),
+                       tk.encode(x, TERNARY, bucket_size=8, key=key))
+    x[9] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        tk.encode(x, TERNARY, bucket_size=8, key=key, checked=True)
+    with pytest.raises(TypeError, match="checked must be True or False"):
+        tk.encode(x, TERNARY, bucket_size=8, key=key, checked="yes")

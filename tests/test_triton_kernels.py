@@ -409,6 +409,25 @@ def test_the_wires_flagged_decode_on_cuda():
                                                  norm="l2")[1])
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 3e38])
+def test_a_checked_encode_skips_the_check(bad):
+    """``checked=True``: the oracle's bytes on finite input, no host sync; an input that was
+    not in fact sendable gives a payload that every decoder refuses (its bucket norm is not a
+    finite float32), never an exception at the encode."""
+    table, key = table_for(3), StreamKey(seed=4)
+    x = sample(300, 64, seed=40)
+    assert as_bytes(encode(x, table, 64, "l2", key, checked=True)) == oracle(
+        x, table, 64, "l2", key).tobytes()
+    x[70:80] = bad
+    payload = encode(x, table, 64, "l2", key, checked=True)
+    with pytest.raises(PayloadError, match="negative or non-finite"):
+        codec.decode(payload.cpu().numpy(), table)
+    with pytest.raises(PayloadError, match="negative or non-finite"):
+        tk.decode(payload, table)
+
+
 # ------------------------------------------------------------------------------------ errors
 
 

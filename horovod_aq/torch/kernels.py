@@ -363,6 +363,7 @@ def encode(
     uniforms: torch.Tensor | None = None,
     key: StreamKey | None = None,
     checksum: bool = False,
+    checked: bool = False,
 ) -> torch.Tensor:
     """Quantize and pack x into a uint8 payload on x's device (``codec.encode``).
 
@@ -376,8 +377,14 @@ def encode(
             ``codec.encode(..., key=key)``; overrides ``generator``.
         checksum: write ``FLAG_CHECKSUM`` and the payload's CRC-32 (``codec.encode``'s
             ``checksum``; computed on the host).
+        checked: the caller has found x finite with every bucket norm within float32
+            (``packed.send`` step 2), so the Triton kernel skips the check and its host sync
+            (a payload of an x that is not is then refused by every decoder); the torch ops,
+            whose rounding indexes the table by value, and the fused CPU kernel, where the
+            check costs nothing, check anyway.
     """
     checksum = codec.check_bool("checksum", checksum)
+    checked = codec.check_bool("checked", checked)
     if key is not None and uniforms is None and isinstance(x, torch.Tensor):
         impl = implementation_for(x.device)
         if impl == "fused":
@@ -388,7 +395,7 @@ def encode(
                                                  checksum=checksum))
         if impl == "triton":
             return triton_kernels.encode(x, levels, bucket_size=bucket_size, norm=norm, key=key,
-                                         checksum=checksum)
+                                         checksum=checksum, checked=checked)
     table, bucket_size, norm, flat, norms, u = _prepare(x, levels, bucket_size, norm, uniforms)
     n, bits = flat.numel(), table.bits
     nb = norms.numel()

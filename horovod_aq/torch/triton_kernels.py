@@ -13,11 +13,13 @@ are reduced in several passes that keep the canonical pairwise order), then quan
 adds the P rows in rank order. Divisions use ``tl.div_rn`` (IEEE), kernels are compiled with
 ``enable_fp_fusion=False`` (no FMA), float64 only in the l2 sums. Headers are made and checked on
 the host with the helpers of ``horovod_aq.torch.payload``; ``encode`` makes one host sync (the
-finiteness of the bucket norms), the decoders copy the 32-byte headers to the host once and sync
-once at the end on one flag: every norm finite and ≥ 0, and — for tables with N < 2^b levels,
-where a corrupt code decodes to NaN through the padded lookup — no NaN in the result (one more
-read of the result; with valid norms and levels a NaN arises only so). A bad payload is then
-decoded by the numpy oracle on a host copy, which raises its ``PayloadError``. Checksummed
+finiteness of the bucket norms; none with ``checked``), the decoders copy the 32-byte headers to
+the host once and sync once at the end on one flag: every norm finite and ≥ 0, and — for tables
+with N < 2^b levels, where a corrupt code decodes to NaN through the padded lookup — no NaN in
+the result (one more read of the result; with valid norms and levels a NaN arises only so). A
+bad payload is then decoded by the numpy oracle on a host copy, which raises its
+``PayloadError``. ``decode_rows_flagged`` returns that flag instead of reading it (the wire's
+``kernels.decode_flagged``). Checksummed
 payloads (``FLAG_CHECKSUM``) are CRC-32'd on the host (``horovod_aq.torch.payload``:
 ``seal_checksum``, ``verify_checksums``).
 
@@ -467,6 +469,7 @@ def encode(
     key: StreamKey,
     out: torch.Tensor | None = None,
     checksum: bool = False,
+    checked: bool = False,
 ) -> torch.Tensor:
     """Quantize and pack x into a uint8 payload on x's device: ``codec.encode(x, levels,
     bucket_size=, norm=, key=key, checksum=checksum)`` byte for byte.
@@ -479,11 +482,15 @@ def encode(
         out: optional contiguous uint8 tensor of ``payload_size`` bytes to write into; nothing
             is written to it when the input is rejected.
         checksum: write ``FLAG_CHECKSUM`` and the CRC-32 (computed on the host).
+        checked: x is known to be finite with norms within float32 (``kernels.encode``): no
+            check, no host sync.
 
     Raises ``ValueError`` with the messages of ``horovod_aq.torch.kernels.encode`` for
-    non-finite input or an overflowing norm (found on the device, one host sync).
+    non-finite input or an overflowing norm (found on the device, one host sync), unless
+    ``checked``.
     """
     checksum = codec.check_bool("checksum", checksum)
+    checked = codec.check_bool("checked", checked)
     table = codec.as_table(levels)
     bucket_size = codec.check_bucket_size(bucket_size)
     norm = codec.check_norm(norm)
@@ -508,7 +515,8 @@ def encode(
         norms = (payload[HEADER_SIZE:codes_at].view(torch.float32) if direct
                  else torch.empty(nb, dtype=torch.float32, device=device))
         _bucket_norms(flat, norms, bucket, norm)
-        common.check_finite(flat, norms)  # one sync; raises the torch kernels' errors
+        if not checked:
+            common.check_finite(flat, norms)  # one sync; raises the torch kernels' errors
         payload[:HEADER_SIZE] = common.header_tensor(n, table, bucket_size, norm, device)
         if not direct:
             payload[HEADER_SIZE:codes_at] = norms.view(torch.uint8)

@@ -112,7 +112,7 @@ def _peak(x: torch.Tensor) -> float:
     """max|x_i| in one pass without a temporary (NaN when x holds a NaN); 0 when empty."""
     if not x.numel():
         return 0.0
-    low, high = (float(v) for v in torch.aminmax(x))
+    low, high = torch.stack(torch.aminmax(x)).tolist()   # one device→host copy
     return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
 
 
@@ -328,7 +328,7 @@ class Wire:
                           self.memory.compensate(bucket.key, g),
                           first_bad=self._first_bad, record=self._record,
                           parts=lambda x: self.parts(bucket, x),
-                          encode=lambda part, k: self._encode(bucket, part, k),
+                          encode=lambda part, k: self._encode(bucket, part, k, checked=True),
                           markers=lambda bad: self._markers(bucket, bad, raw.device),
                           encode_compensated=(lambda g: compensated.encode_compensated(
                               self, bucket, g)) if fused else None,
@@ -393,8 +393,13 @@ class Wire:
         padded[:bucket.numel] = x
         return list(padded.view(P, m))
 
-    def _encode(self, bucket: Bucket, x: torch.Tensor, part: int) -> torch.Tensor:
-        q, encode = self.q, entropy.encode_entropy if bucket.variable else kernels.encode
+    def _encode(self, bucket: Bucket, x: torch.Tensor, part: int, *,
+                checked: bool = False) -> torch.Tensor:
+        """Part ``part`` of x; ``checked``: ``packed.send`` step 2 found x sendable, so a fixed
+        encode skips its own check and host sync (the re-encoded chunk has no step 2)."""
+        q = self.q
+        encode = entropy.encode_entropy if bucket.variable else (
+            lambda *a, **k: kernels.encode(*a, **k, checked=checked))
         payload = self.timed_encode(bucket, part, lambda key: encode(
             x, bucket.table, bucket_size=q.bucket_size, norm=q.norm, key=key,
             checksum=q.checksum))
