@@ -206,6 +206,33 @@ def test_a_marker_names_rank_and_parameter_on_every_rank(kernels, mode):
     assert len(set(errors)) == 1 and "on rank 2" in errors[0] and "'b'" in errors[0]
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # Triton's interpreter
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_an_average_past_float32_is_a_marker_for_every_rank(kernels, nonfinite):
+    """Two-phase: both ranks' first bucket fits a float32 norm, the re-encoded average of
+    chunk 0 does not (8e37 · √16 sendable, its quantized average not): rank 0 sends a marker
+    in the second allgather, so both ranks raise naming parameter 'w' (or both skip), where
+    rank 0 alone had raised and rank 1 waited for its allgather."""
+    _, ranks = _ranks(2, "two_phase", lambda: horovod_aq.QSGD(bits=3, bucket_size=B, seed=SEED,
+                                                              nonfinite=nonfinite))
+    grads = _grads(2)
+    for g in grads:
+        g[:16] = 8e37
+    if nonfinite == "skip":
+        assert all(np.isnan(r).all() for r in _run(ranks, grads))
+        return
+    for (comp, wire, bucket), g in zip(ranks, grads):
+        wire.submit(bucket, torch.from_numpy(g))
+    for comp, wire, bucket in ranks:
+        wire.advance(bucket)   # rank 0's chunk average overflows: it sends a marker
+    errors = []
+    for comp, wire, bucket in ranks:
+        with pytest.raises(codec.NonFiniteGradientError) as err:
+            wire.finish(bucket)
+        errors.append(str(err.value))
+    assert len(set(errors)) == 1 and "on rank 0" in errors[0] and "'w'" in errors[0]
+
+
 def test_skip_gives_nan_on_every_rank(kernels):
     P = 2
     _, ranks = _ranks(P, "two_phase",

@@ -189,5 +189,23 @@ def reencode_part(ranks: int) -> int:
     return ranks
 
 
+def reencode_chunk(chunk: Any, rank: int, m: int, *, encode: Callable[[Any], Any],
+                   first_bad: Callable[[Any], int | None], marker: Callable[[int], Any]) -> Any:
+    """Two-phase stage 2's send of this rank's averaged chunk (m coordinates): its payload, or
+    a non-finite marker of the chunk's size naming element rank·m + j of the bucket, where the
+    average cannot travel (ranks' sendable payloads can average to a bucket whose norm is past
+    float32): every rank then decides as for any marker (docs/protocol.md §4), where this rank
+    would raise alone while the others wait for its allgather. ``encode`` raises
+    ``ValueError`` for such a chunk; ``first_bad`` gives its first bad element (None: the error
+    was another one, raised again)."""
+    try:
+        return encode(chunk)
+    except ValueError:
+        j = first_bad(chunk)
+        if j is None:
+            raise
+        return marker(rank * m + j)
+
+
 __all__ = ["Fused", "SendSteps", "first_bad_element", "python_branch", "python_when",
-           "reencode_part", "send_bucket", "sent_bytes", "sent_values"]
+           "reencode_chunk", "reencode_part", "send_bucket", "sent_bytes", "sent_values"]

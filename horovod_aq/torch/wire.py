@@ -73,10 +73,11 @@ from horovod_aq.packed.delimit import payload_sizes
 from horovod_aq.packed.marker import marker_for
 from horovod_aq.packed.params import contiguous_offsets, param_at
 from horovod_aq.packed.plan import CODINGS, BucketPlan
-from horovod_aq.packed.receive import SKIP, check_joined, receive_outcome
+from horovod_aq.packed.receive import SKIP, receive_outcome
 from horovod_aq.packed.send import (
     SendSteps,
     first_bad_element,
+    reencode_chunk,
     reencode_part,
     send_bucket,
     sent_bytes,
@@ -418,9 +419,13 @@ class Wire:
         self.seconds["encode"] += time.perf_counter() - started
         return payload
 
-    def _markers(self, bucket: Bucket, first_bad: int, device: torch.device) -> list[torch.Tensor]:
+    def _markers(self, bucket: Bucket, first_bad: int, device: torch.device, *,
+                 mode: str | None = None, numel: int | None = None) -> list[torch.Tensor]:
+        """The markers of the bucket's send (of ``numel`` coordinates sent by ``mode``: the
+        re-encoded chunk's)."""
         q = self.q
-        spec = marker_for(bucket.mode, bucket.numel, self.ranks, bucket.table.bits, q.bucket_size)
+        spec = marker_for(mode or bucket.mode, numel or bucket.numel, self.ranks,
+                          bucket.table.bits, q.bucket_size)
         one = torch.from_numpy(spec.payload(bucket.table, q.bucket_size, q.norm,
                                             first_bad)).to(device)
         return [one] * spec.copies
@@ -539,7 +544,11 @@ class Wire:
         self.seconds["decode"] += time.perf_counter() - started
         for lo, hi in chunk_zero_spans(bucket.numel, m, self.rank, bucket.spans(bucket.gone)):
             chunk[lo:hi] = 0.0
-        payload = self._encode(bucket, chunk, reencode_part(P))
+        payload = reencode_chunk(
+            chunk, self.rank, m, encode=lambda c: self._encode(bucket, c, reencode_part(P)),
+            first_bad=lambda c: self._first_bad(c, c),
+            marker=lambda bad: self._markers(bucket, bad, chunk.device, mode="allgather",
+                                             numel=m)[0])
         self._count(0, sent_bytes("allgather", [payload.numel()], self.rank, P)[1])
         self._allgather(bucket, payload, "ag2")
 
@@ -559,8 +568,8 @@ class Wire:
             m = chunk_numel(bucket.numel, self.ranks, q.bucket_size)
             result = self._flagged(bucket, rows, m, average=False)
             if result is None:
-                if self.comm.zero_fills_joined:
-                    check_joined(_heads(rows), collective)
+                if self._outcome(bucket, rows, collective) == SKIP:   # a chunk's marker
+                    return
                 decode = entropy.decode if bucket.variable else kernels.decode
                 result = torch.cat([decode(row, bucket.table, numel=m, bucket_size=q.bucket_size,
                                            norm=q.norm) for row in rows])
