@@ -463,3 +463,16 @@ def test_the_watchdog_ends_a_wait_that_cannot_poll_once_and_names_it():
     assert dog.arm(waiting.Deadline(0.01), "aq.ag.z") == 0     # after a stall nothing more
     time.sleep(0.05)
     assert len(expired) == 1
+
+
+def test_reencode_chunk_sends_a_marker_only_for_an_unsendable_average():
+    def refuse(chunk):
+        raise ValueError("bucket 0 has a norm that overflows float32")
+
+    kw = {"marker": lambda bad: ("marker", bad)}
+    assert send.reencode_chunk([1.0], 2, 10, encode=lambda c: "payload",
+                               first_bad=lambda c: 0, **kw) == "payload"
+    assert send.reencode_chunk([1.0], 2, 10, encode=refuse, first_bad=lambda c: 3,
+                               **kw) == ("marker", 23)   # element r·m + j of the bucket
+    with pytest.raises(ValueError, match="overflows"):   # sendable after all: another error
+        send.reencode_chunk([1.0], 2, 10, encode=refuse, first_bad=lambda c: None, **kw)
