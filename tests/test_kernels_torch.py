@@ -421,3 +421,15 @@ def test_a_checked_encode_is_the_same_encode(monkeypatch, impl):
         tk.encode(x, TERNARY, bucket_size=8, key=key, checked=True)
     with pytest.raises(TypeError, match="checked must be True or False"):
         tk.encode(x, TERNARY, bucket_size=8, key=key, checked="yes")
+
+
+@pytest.mark.parametrize("n, B", [(0, 8), (1, 8), (50, 8), (50, 64), (1000, 7)])
+def test_dequantize_is_the_oracles(n, B):
+    from horovod_aq.codec.quantize import dequantize
+
+    table = uniform_table(3)
+    rng = np.random.default_rng(n)
+    codes = rng.integers(0, 8, n).astype(np.uint8)
+    norms = rng.lognormal(0, 1, codec.num_buckets(n, B)).astype(np.float32)
+    got = tk.dequantize(torch.from_numpy(codes), torch.from_numpy(norms), table, B)
+    np.testing.assert_array_equal(f32_bits(got), f32_bits(dequantize(codes, norms, table, B)))

@@ -83,3 +83,99 @@ def test_the_triton_entropy_encoder_writes_the_oracles_payload(bits, n, bucket, 
     assert np.array_equal(cpu.numpy(), want)
     np.testing.assert_array_equal(entropy.decode(got, table).cpu().numpy(),
                                   codec.decode(want, table))
+
+
+# ------------------------------------------------ the torch decoder of entropy-coded payloads
+def _wire_rows(n=3001, bucket=64, bits=3):
+    """Three rows of the entropy-coded wire: two entropy-coded, one fixed-width; the table."""
+    import horovod_aq
+    from horovod_aq import codec
+    from horovod_aq.codec.stream import StreamKey
+
+    table = horovod_aq.QSGD(bits=bits, bucket_size=bucket).table
+    xs = [np.random.default_rng(r).standard_normal(n).astype(np.float32) for r in range(3)]
+    rows = [codec.encode_entropy(x, table, bucket_size=bucket, key=StreamKey(3, r, 0, 0, 0))
+            for r, x in enumerate(xs[:2])]
+    rows.append(codec.encode(xs[2], table, bucket_size=bucket, key=StreamKey(3, 2, 0, 0, 0)))
+    assert [bool(r[codec.FLAGS_OFFSET] & codec.FLAG_ENTROPY) for r in rows] == [1, 1, 0]
+    return rows, table
+
+
+def test_device_values_are_the_oracles_and_average_like_it(monkeypatch):
+    """``entropy.device_values``: every row's values bitwise the oracle's, with a True flag;
+    ``entropy.decode_average`` / ``decode`` with Triton take it and give ``codec``'s bits."""
+    from horovod_aq import codec
+    from horovod_aq.torch import entropy, kernels
+
+    rows, table = _wire_rows()
+    tensors = [torch.from_numpy(r).to(DEVICE) for r in rows]
+    values, ok = entropy.device_values(tensors, table, numel=3001, bucket_size=64, norm="l2")
+    assert bool(ok)
+    for got, row in zip(values, rows):
+        np.testing.assert_array_equal(got.cpu().numpy().view(np.uint32),
+                                      codec.decode(row, table).view(np.uint32))
+    monkeypatch.setattr(kernels, "implementation_for", lambda device: "triton")
+    kw = {"numel": 3001, "bucket_size": 64, "norm": "l2"}
+    np.testing.assert_array_equal(
+        entropy.decode_average(tensors, table, **kw).cpu().numpy().view(np.uint32),
+        codec.decode_average(rows, table).view(np.uint32))
+    np.testing.assert_array_equal(entropy.decode(tensors[0], table, **kw).cpu().numpy(),
+                                  codec.decode(rows[0], table))
+
+
+def _spoil(rows, table, how):
+    """rows with row 1 (entropy-coded) spoilt as ``how`` says; the rows' decoder settings."""
+    import struct
+
+    from horovod_aq import codec
+    from horovod_aq.codec import entropy_format as ef
+
+    row = rows[1].copy()
+    start = codec.HEADER_SIZE + 4 * codec.num_buckets(3001, 64)
+    states_at = start + ef.CODER_HEADER_SIZE
+    table_at = states_at + 4 * ef.LANES * ef.num_blocks(3001, 3) + 2 * ef.num_blocks(3001, 3)
+    if how == "length":
+        row[start:start + 8] = np.frombuffer(struct.pack("<Q", row.size + 2), np.uint8)
+    elif how == "table":
+        row[table_at] ^= 1
+    elif how == "state":
+        row[states_at:states_at + 4] = np.frombuffer(np.uint32(5).tobytes(), np.uint8)
+    elif how == "norm":
+        row[codec.HEADER_SIZE:codec.HEADER_SIZE + 4] = np.frombuffer(
+            np.float32(-1).tobytes(), np.uint8)
+    elif how == "word":
+        row[-1] ^= 0x40
+    elif how == "marker":
+        row = codec.nonfinite_payload(3001, table, 64, "l2", 7)
+    return [rows[0], row, rows[2]]
+
+
+@pytest.mark.parametrize("how", ["length", "table", "state", "norm", "word", "marker"])
+def test_device_values_refuse_what_the_oracle_refuses(monkeypatch, how):
+    """A spoilt row: None (a header, coder header, length or code table a decoder refuses,
+    found on the host) or a False flag (a state, norm or stream found on the device); then
+    ``entropy.decode_average`` raises the oracle's own error (or, for a word that still
+    decodes, gives the oracle's values)."""
+    from horovod_aq import codec
+    from horovod_aq.torch import entropy, kernels
+
+    rows, table = _wire_rows()
+    rows = _spoil(rows, table, how)
+    tensors = [torch.from_numpy(r).to(DEVICE) for r in rows]
+    kw = {"numel": 3001, "bucket_size": 64, "norm": "l2"}
+    got = entropy.device_values(tensors, table, **kw)
+    if how in ("length", "table", "marker"):
+        assert got is None
+    elif how in ("state", "norm"):
+        assert got is not None and not bool(got[1])
+    monkeypatch.setattr(kernels, "implementation_for", lambda device: "triton")
+    try:
+        want = codec.decode_average(rows, table)
+    except (codec.PayloadError, codec.NonFiniteGradientError) as err:
+        with pytest.raises(type(err)) as raised:
+            entropy.decode_average(tensors, table, **kw)
+        assert str(raised.value) == str(err)
+    else:
+        assert how == "word" and bool(got[1])
+        np.testing.assert_array_equal(entropy.decode_average(tensors, table, **kw).cpu().numpy(),
+                                      want)

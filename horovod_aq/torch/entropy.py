@@ -14,9 +14,18 @@ rows of any lengths and kinds. Where each runs (``kernels.implementation_for``):
   table and product model on the host (``entropy_format``, shared by every implementation), the
   symbols grouped on the device and coded by ``triton_entropy.encode_symbols``; the payload is
   assembled on the device. Checksums are computed on the host (``payload.seal_checksum``).
-* **Everything else** — decoding on CUDA, and ``HOROVOD_AQ_KERNELS=ops`` — goes through a
-  host copy and the compiled CPU kernels (the torch ops have no rANS coder), then back to the
-  tensor's device: correct everywhere, one device↔host copy of the payloads per call.
+* **CUDA with Triton** ("triton"), decode (:func:`device_values`): one device→host copy of
+  the rows' headers, coder headers, block counts and code tables, checked on the host against
+  what this rank's encoder writes; the models (f, c, slot table) built on the host and copied
+  to the device at once; every entropy-coded row's symbols decoded by
+  ``triton_entropy.decode_symbols_flagged``, its codes unpacked and dequantized on the device
+  (``kernels.dequantize``), fixed-width rows by ``kernels.decode_flagged``; one flag read at
+  the end (norms, coder states, streams). Rows that fail a check take the host path below,
+  which raises the oracle's error.
+* **Everything else** — ``HOROVOD_AQ_KERNELS=ops``, CUDA without Triton, and rows the device
+  path refuses — goes through a host copy and the compiled CPU kernels (the torch ops have no
+  rANS coder), then back to the tensor's device: correct everywhere, one device↔host copy of
+  the payloads per call.
 """
 
 from __future__ import annotations
@@ -33,12 +42,20 @@ from horovod_aq.codec import FLAG_ENTROPY, FLAGS_OFFSET, HEADER_SIZE, NORM_BYTES
 from horovod_aq.codec.entropy_format import (
     CODE_TABLE_BITS,
     CODER_HEADER_FORMAT,
+    CODER_HEADER_SIZE,
+    COUNT_BYTES,
     GROUPS,
     LANES,
     PRECISION,
+    STATE_BYTES,
+    STATE_LOW,
     STEPS,
+    TABLE_BYTES,
+    WORD_BYTES,
     entropy_payload_size,
     normalize_frequencies,
+    num_blocks,
+    num_symbols,
     symbol_model,
 )
 from horovod_aq.codec.stream import StreamKey
@@ -46,7 +63,7 @@ from horovod_aq.levels.table import LevelTable
 from horovod_aq.torch import kernels, triton_kernels
 from horovod_aq.torch.payload import as_float32_flat, seal_checksum
 
-__all__ = ["decode", "decode_average", "encode_entropy"]
+__all__ = ["decode", "decode_average", "decode_each", "device_values", "encode_entropy"]
 
 
 def encode_entropy(x: torch.Tensor, levels: LevelTable | Any, *, bucket_size: int,
@@ -121,6 +138,146 @@ def entropy_of_fixed(fixed: torch.Tensor, table: LevelTable, n: int, bucket_size
     return seal_checksum(payload) if checksum else payload
 
 
+class _Layout:
+    """Where the sections of a payload of (n, table, B) lie (docs/format.md §12), in bytes."""
+
+    __slots__ = ("numel", "bits", "bucket_size", "norms_end", "states_at", "counts_at",
+                 "table_at", "words_at", "blocks", "fixed_size")
+
+    def __init__(self, numel: int, table: LevelTable, bucket_size: int) -> None:
+        self.numel, self.bits, self.bucket_size = numel, table.bits, bucket_size
+        self.norms_end = HEADER_SIZE + NORM_BYTES * codec.num_buckets(numel, bucket_size)
+        self.blocks = num_blocks(numel, self.bits)
+        self.states_at = self.norms_end + CODER_HEADER_SIZE
+        self.counts_at = self.states_at + STATE_BYTES * LANES * self.blocks
+        self.table_at = self.counts_at + COUNT_BYTES * self.blocks
+        self.words_at = self.table_at + TABLE_BYTES * table.num_levels
+        self.fixed_size = codec.payload_size(numel, self.bits, bucket_size)
+
+    def metadata(self, row: torch.Tensor) -> torch.Tensor:
+        """A row's header, coder header, block counts and code table (zeros past its end)."""
+        wanted = HEADER_SIZE + CODER_HEADER_SIZE + (self.words_at - self.counts_at)
+        if row.numel() < self.words_at:
+            return torch.nn.functional.pad(row[:HEADER_SIZE], (0, wanted - min(
+                HEADER_SIZE, row.numel())))
+        return torch.cat([row[:HEADER_SIZE], row[self.norms_end:self.states_at],
+                          row[self.counts_at:self.words_at]])
+
+    def entropy_sections(self, meta: np.ndarray, size: int) -> tuple[np.ndarray,
+                                                                     np.ndarray] | None:
+        """(block counts, code table) of an entropy-coded row of ``size`` bytes whose coder
+        header, length and table sum are what a decoder accepts (``parse_body``,
+        ``check_body``), else None."""
+        coder = struct.unpack(CODER_HEADER_FORMAT,
+                              meta[HEADER_SIZE:HEADER_SIZE + CODER_HEADER_SIZE].tobytes())
+        want = (size, PRECISION, GROUPS[self.bits], LANES.bit_length() - 1,
+                STEPS.bit_length() - 1, 0)
+        at = HEADER_SIZE + CODER_HEADER_SIZE
+        counts = meta[at:at + COUNT_BYTES * self.blocks].view("<u2").astype(np.int64)
+        table = meta[at + COUNT_BYTES * self.blocks:].view("<u2")
+        if (self.numel == 0 or coder != want or size != self.words_at + WORD_BYTES *
+                int(counts.sum()) or int(table.astype(np.int64).sum()) != 1 << CODE_TABLE_BITS):
+            return None
+        return counts, table
+
+
+def _aligned(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``raw`` (uint8 bytes) viewed as ``dtype``, copied first where it is not aligned."""
+    if raw.storage_offset() % dtype.itemsize or not raw.is_contiguous():
+        raw = raw.clone()
+    return raw.view(dtype)
+
+
+def device_values(rows: Sequence[torch.Tensor], levels: LevelTable | Any, *, numel: int,
+                  bucket_size: int, norm: str
+                  ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """Every row's float32 values decoded on the rows' device (module docstring, "decode"),
+    with one 0-dim bool device flag that is True iff every norm, coder state and stream was
+    valid: the host decoders would then give the same values. None where a row is not what
+    this rank's encoder writes for (``numel``, ``levels``, ``bucket_size``, ``norm``) — another
+    header, a marker, a checksum, a coder header, length or code table a decoder refuses —
+    known from one device→host copy; the caller then decodes on the host."""
+    table = codec.as_table(levels)
+    rows = list(rows)
+    device = rows[0].device
+    lay = _Layout(numel, table, bucket_size)
+    expected = np.frombuffer(codec.make_header(numel, table, bucket_size, norm), np.uint8)
+    coded = expected.copy()
+    coded[FLAGS_OFFSET] |= FLAG_ENTROPY
+    meta = torch.stack([lay.metadata(r) for r in rows]).cpu().numpy()   # the one read
+    sections: list[tuple[np.ndarray, np.ndarray] | None] = []
+    for row, head in zip(rows, meta):
+        if np.array_equal(head[:HEADER_SIZE], expected) and row.numel() == lay.fixed_size:
+            sections.append(None)
+            continue
+        found = (lay.entropy_sections(head, row.numel())
+                 if np.array_equal(head[:HEADER_SIZE], coded) else None)
+        if found is None:
+            return None
+        sections.append(found)
+    models = [np.concatenate([found[0], triton_entropy().model_tensors(
+        *symbol_model(found[1], lay.bits))]) for found in sections if found is not None]
+    host = torch.from_numpy(np.concatenate(models) if models else np.zeros(0, np.int64))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    on_device = host.to(device, non_blocking=True)   # every model in one copy
+    values, flags, at = [], [], 0
+    for row, found in zip(rows, sections):
+        if found is None:
+            got = kernels.decode_flagged(row[None], table, numel=numel,
+                                         bucket_size=bucket_size, norm=norm, average=False)
+            if got is None:
+                return None
+            values.append(got[0])
+            flags.append(got[1])
+            continue
+        width = lay.blocks + 2 * (1 << (GROUPS[lay.bits] * lay.bits)) + (1 << PRECISION)
+        model = on_device[at:at + width]
+        at += width
+        out, ok = _entropy_row(row, lay, table, model)
+        values.append(out)
+        flags.extend(ok)
+    return values, torch.stack(flags).all()
+
+
+def _entropy_row(row: torch.Tensor, lay: _Layout, table: LevelTable,
+                 model: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The values of one checked entropy-coded row, with its flags (norms, states, stream):
+    ``model`` holds its block counts, then f, c and the slot table (``model_tensors``)."""
+    alphabet = 1 << (GROUPS[lay.bits] * lay.bits)
+    counts, f, c, slots = torch.split(model, [lay.blocks, alphabet, alphabet, 1 << PRECISION])
+    norms = _aligned(row[HEADER_SIZE:lay.norms_end], torch.float32)
+    states = _aligned(row[lay.states_at:lay.counts_at], torch.int32).to(torch.int64) & 0xFFFFFFFF
+    words = _aligned(row[lay.words_at:], torch.uint16)
+    nsym = num_symbols(lay.numel, lay.bits)
+    symbols, stream_ok = triton_entropy().decode_symbols_flagged(
+        states.view(lay.blocks, LANES), counts, words, f, c, slots, nsym)
+    g = GROUPS[lay.bits]
+    shifts = torch.arange(g, dtype=torch.int32, device=row.device) * lay.bits
+    codes = ((symbols.to(torch.int32)[:, None] >> shifts) & ((1 << lay.bits) - 1)).reshape(-1)
+    values = kernels.dequantize(codes[:lay.numel], norms, table, lay.bucket_size)
+    return values, [(torch.isfinite(norms) & (norms >= 0)).all(), (states >= STATE_LOW).all(),
+                    stream_ok]
+
+
+def _on_device(rows: list[torch.Tensor], levels: Any, numel: int | None,
+               bucket_size: int | None, norm: str | None) -> list[torch.Tensor] | None:
+    """:func:`device_values` where it applies (Triton on the rows' device, the settings given)
+    and its flag holds (one read), else None: the host path decides, and raises."""
+    if (not rows or None in (numel, bucket_size, norm)
+            or kernels.implementation_for(rows[0].device) != "triton"):
+        return None
+    got = device_values(rows, levels, numel=numel, bucket_size=bucket_size, norm=norm)
+    return got[0] if got is not None and bool(got[1]) else None
+
+
+def triton_entropy() -> Any:
+    """``horovod_aq.torch.triton_entropy`` (imports Triton: on first use)."""
+    from horovod_aq.torch import triton_entropy as module
+
+    return module
+
+
 def _host_rows(rows: Sequence[torch.Tensor] | torch.Tensor) -> list[np.ndarray]:
     return [r.detach().contiguous().cpu().numpy() for r in rows]
 
@@ -129,7 +286,10 @@ def decode(payload: torch.Tensor, levels: LevelTable | Any, *, numel: int | None
            bucket_size: int | None = None, norm: str | None = None) -> torch.Tensor:
     """float32 values of one payload of either kind on its device (bitwise ``codec.decode``):
     ``kernels.decode`` for a fixed-width payload, the compiled CPU decoder for an entropy-coded
-    one (via a host copy off the CPU)."""
+    one (:func:`device_values` with Triton, else via a host copy off the CPU)."""
+    on_device = _on_device([payload], levels, numel, bucket_size, norm)
+    if on_device is not None:
+        return on_device[0]
     if not (payload.numel() > FLAGS_OFFSET and int(payload[FLAGS_OFFSET]) & FLAG_ENTROPY):
         return kernels.decode(payload, levels, numel=numel, bucket_size=bucket_size, norm=norm)
     from horovod_aq.codec import fused
@@ -139,14 +299,34 @@ def decode(payload: torch.Tensor, levels: LevelTable | Any, *, numel: int | None
     return torch.from_numpy(out).to(payload.device)
 
 
+def decode_each(rows: Sequence[torch.Tensor], levels: LevelTable | Any, *, numel: int,
+                bucket_size: int, norm: str) -> torch.Tensor:
+    """The values of every row, one row after another (P·numel), each :func:`decode` of its
+    row; all at once on the device where :func:`device_values` applies."""
+    rows = list(rows)
+    on_device = _on_device(rows, levels, numel, bucket_size, norm)
+    if on_device is not None:
+        return torch.cat(on_device)
+    return torch.cat([decode(r, levels, numel=numel, bucket_size=bucket_size, norm=norm)
+                      for r in rows])
+
+
 def decode_average(rows: Sequence[torch.Tensor], levels: LevelTable | Any, *,
                    numel: int | None = None, bucket_size: int | None = None,
                    norm: str | None = None) -> torch.Tensor:
     """The average of P payloads of any lengths and kinds (1-D uint8 tensors on one device),
     bitwise ``codec.decode_average`` of the same rows: equal-size fixed-width rows go to
-    ``kernels.decode_average`` (Triton on CUDA), the others to the compiled CPU decoder of
-    variable rows (``codec.fused.decode_average``; a host copy off the CPU)."""
+    ``kernels.decode_average`` (Triton on CUDA), the others to :func:`device_values` with
+    Triton (each row divided by P, added in rank order: codec step 7), else to the compiled CPU
+    decoder of variable rows (``codec.fused.decode_average``; a host copy off the CPU)."""
     rows = list(rows)
+    on_device = _on_device(rows, levels, numel, bucket_size, norm)
+    if on_device is not None:
+        divisor = torch.full((), len(rows), dtype=torch.float32, device=rows[0].device)
+        acc = on_device[0].div_(divisor)
+        for values in on_device[1:]:
+            acc.add_(values.div_(divisor))
+        return acc
     device = rows[0].device
     flags = [int(r[FLAGS_OFFSET]) if r.numel() > FLAGS_OFFSET else 0 for r in rows]
     if len({r.numel() for r in rows}) == 1 and not any(f & FLAG_ENTROPY for f in flags):

@@ -73,8 +73,8 @@ from horovod_aq.torch.payload import (
 from horovod_aq.torch.stats import bucket_moments, normalized_histogram
 
 __all__ = ["bucket_moments", "bucket_norms", "decode", "decode_average", "decode_flagged",
-           "encode", "first_nonfinite", "normalized_histogram", "pack_bits", "quantize",
-           "stream_uniforms", "unpack_bits"]
+           "dequantize", "encode", "first_nonfinite", "normalized_histogram", "pack_bits",
+           "quantize", "stream_uniforms", "unpack_bits"]
 
 #: Work on about this many elements at a time (rounded to whole buckets and groups of 8 codes),
 #: so that the float64 and index temporaries of one chunk stay in the CPU caches.
@@ -472,9 +472,33 @@ def _decode_checked(row: torch.Tensor, header: codec.Header, table: LevelTable,
         codes = _unpack(chunk, bits)[: stop - start]
         if check_codes:
             valid.append(codes.amax() < table.num_levels)
-        values = lookup.index_select(0, codes)
-        _per_bucket(torch.mul, values, norms[start // bucket_size : -(-stop // bucket_size)],
-                    bucket_size, out=out[start:stop])
+        _dequantize_into(out[start:stop], codes, norms[start // bucket_size:
+                                                       -(-stop // bucket_size)],
+                         lookup, bucket_size)
+    return out
+
+
+def _dequantize_into(out: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor,
+                     lookup: torch.Tensor, bucket_size: int) -> None:
+    """out_i = q[code_i] · norm of i's bucket (codec step 6, float32); ``codes`` start at a
+    bucket boundary."""
+    _per_bucket(torch.mul, lookup.index_select(0, codes), norms, bucket_size, out=out)
+
+
+def dequantize(codes: torch.Tensor, norms: torch.Tensor, levels: LevelTable | Any,
+               bucket_size: int) -> torch.Tensor:
+    """float32 values q[code_i] · ‖bucket(i)‖ of n codes (integer tensor, all < N) and their
+    ⌈n/B⌉ float32 norms, on their device: what the decoders compute from a payload's codes
+    (codec step 6, bitwise ``codec.dequantize``)."""
+    table = codec.as_table(levels)
+    n = codes.numel()
+    span = max(1, min(codec.check_bucket_size(bucket_size), n))   # Header.span
+    lookup = device_table(table, codes.device).lookup
+    out = torch.empty(n, dtype=torch.float32, device=codes.device)
+    codes = codes.to(torch.int64)
+    for start, stop in _chunks(n, span, codes.device):
+        _dequantize_into(out[start:stop], codes[start:stop],
+                         norms[start // span:-(-stop // span)], lookup, span)
     return out
 
 

@@ -36,7 +36,7 @@ from horovod_aq.codec.entropy_format import (
 )
 from horovod_aq.codec.rans import slot_symbols
 
-__all__ = ["decode_symbols", "encode_symbols"]
+__all__ = ["decode_symbols", "decode_symbols_flagged", "encode_symbols", "model_tensors"]
 
 
 @triton.jit
@@ -137,16 +137,34 @@ def decode_symbols(states: torch.Tensor, counts: torch.Tensor, words: torch.Tens
     """The nsym uint8 symbols of a body (``rans.decode_symbols``), or None if a block's stream
     is refused (past its end, words left unread, a lane not back at 2^16)."""
     device = words.device
-    nblk = states.shape[0]
     ft, ct, _ = _tables(f, c, device)
     slots = torch.as_tensor(slot_symbols(np.asarray(f, np.int64)), device=device)
+    out, ok = decode_symbols_flagged(states, counts, words, ft, ct, slots, nsym)
+    return out if bool(ok) else None
+
+
+def model_tensors(f: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """f, c and the decoder's slot → symbol table of a model, as one int64 host array (one
+    copy to the device): [f (A) | c (A) | slots (2^PRECISION)]."""
+    f = np.asarray(f, np.int64)
+    return np.concatenate([f, np.asarray(c, np.int64), slot_symbols(f).astype(np.int64)])
+
+
+def decode_symbols_flagged(states: torch.Tensor, counts: torch.Tensor, words: torch.Tensor,
+                           f: torch.Tensor, c: torch.Tensor, slots: torch.Tensor, nsym: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_symbols` with the model (f, c, slots: int64 tensors on the words' device)
+    given, and no host synchronisation: (symbols, ok), ``ok`` a 0-dim bool device tensor,
+    False where a block's stream is refused (the symbols then mean nothing)."""
+    device = words.device
+    nblk = states.shape[0]
     counts = counts.to(device=device, dtype=torch.int64)
     starts = torch.cumsum(counts, 0) - counts
     out = torch.empty(nsym, dtype=torch.uint8, device=device)
     status = torch.zeros(nblk, dtype=torch.int32, device=device)
     padded = torch.cat([words.reshape(-1), words.new_zeros(1)])  # index nwords: always valid
     _decode_kernel[(nblk,)](states.to(device=device, dtype=torch.int64).contiguous(), counts,
-                            starts, padded, words.numel(), slots, ft, ct, out,
+                            starts, padded, words.numel(), slots, f, c, out,
                             status, nsym, LANES_C=LANES, STEPS_C=STEPS, PREC=PRECISION,
                             LOW=STATE_LOW)
-    return None if bool(status.any()) else out
+    return out, ~status.any()

@@ -570,9 +570,10 @@ class Wire:
             if result is None:
                 if self._outcome(bucket, rows, collective) == SKIP:   # a chunk's marker
                     return
-                decode = entropy.decode if bucket.variable else kernels.decode
-                result = torch.cat([decode(row, bucket.table, numel=m, bucket_size=q.bucket_size,
-                                           norm=q.norm) for row in rows])
+                kw = {"numel": m, "bucket_size": q.bucket_size, "norm": q.norm}
+                result = (entropy.decode_each(rows, bucket.table, **kw) if bucket.variable
+                          else torch.cat([kernels.decode(row, bucket.table, **kw)
+                                          for row in rows]))
             result = result[:bucket.numel]
         for offset, numel in bucket.spans(bucket.gone):   # exact zeros where no rank had one
             result[offset:offset + numel] = 0.0
