@@ -103,9 +103,13 @@ Rows = torch.Tensor | list[torch.Tensor]
 
 
 def _heads(rows: Rows) -> Any:
-    """The rows' first ``HEADER_SIZE`` bytes on the host (``packed.receive`` reads them)."""
+    """The rows' first ``HEADER_SIZE`` bytes on the host (``packed.receive`` reads them), in
+    one copy (a row of a list shorter than a header keeps its length)."""
     if isinstance(rows, list):
-        return [r[:codec.HEADER_SIZE].cpu().numpy() for r in rows]
+        sizes = [min(r.numel(), codec.HEADER_SIZE) for r in rows]
+        host = torch.stack([torch.nn.functional.pad(r[:n], (0, codec.HEADER_SIZE - n))
+                            for r, n in zip(rows, sizes)]).cpu().numpy()
+        return [head[:n] for head, n in zip(host, sizes)]
     return rows[:, :codec.HEADER_SIZE].cpu().numpy()
 
 
@@ -448,7 +452,7 @@ class Wire:
         if not k:
             return rows
         if isinstance(rows, list):
-            tails = np.stack([r[-k:].cpu().numpy() for r in rows])
+            tails = torch.stack([r[-k:] for r in rows]).cpu().numpy()   # one copy
             rows = [r[:-k] for r in rows]
         else:
             tails = rows[:, -k:].cpu().numpy()
