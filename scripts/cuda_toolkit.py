@@ -5,9 +5,9 @@ kernels, the runtime's headers and ``lib64/libcudart_static.a``, and NCCL's ``nc
 ``libnccl.so``. No CUDA installation or CUDA base image is needed: the same pieces are on PyPI,
 
 * the toolkit, at the CUDA version of the installed torch (``torch.version.cuda``, major.minor):
-  ``nvidia-cuda-nvcc``, ``-runtime``, ``-crt``, ``-cccl`` and ``nvidia-nvvm`` for CUDA 13,
-  ``nvidia-cuda-nvcc-cu12``, ``-runtime-cu12``, ``-cccl-cu12`` for CUDA 12 — installed with
-  ``pip install --target DEST/packages``;
+  ``nvidia-cuda-nvcc``, ``-runtime``, ``-crt``, ``-cccl`` and ``nvidia-nvvm``, installed with
+  ``pip install --target DEST/packages``. CUDA 13 only: for CUDA 12, PyPI's
+  ``nvidia-cuda-nvcc-cu12`` holds ptxas but no nvcc, and the script says so;
 * NCCL: the ``nvidia-nccl-cu<major>`` package torch's CUDA build already depends on (the same
   library torch loads at run time), or installed beside the toolkit where the environment has
   none.
@@ -34,9 +34,8 @@ import sys
 from pathlib import Path
 
 #: The toolkit's PyPI packages by CUDA major version ({minor}: torch's CUDA minor version).
+#: CUDA 13 only: PyPI's CUDA 12 compiler package (nvidia-cuda-nvcc-cu12) holds ptxas, not nvcc.
 TOOLKIT_PACKAGES = {
-    "12": ["nvidia-cuda-nvcc-cu12=={v}.*", "nvidia-cuda-runtime-cu12=={v}.*",
-           "nvidia-cuda-cccl-cu12=={v}.*"],
     "13": ["nvidia-cuda-nvcc=={v}.*", "nvidia-cuda-runtime=={v}.*", "nvidia-cuda-crt=={v}.*",
            "nvidia-cuda-cccl=={v}.*", "nvidia-nvvm=={v}.*"],
 }
@@ -130,9 +129,14 @@ def assemble(dest: Path, version: str | None = None) -> Path:
     home."""
     version = version or torch_cuda_version()
     major = version.split(".")[0]
+    if major == "12":
+        sys.exit(f"cuda_toolkit: torch is built for CUDA {version}, and PyPI's CUDA 12 compiler "
+                 "package holds ptxas but no nvcc: install torch's CUDA 13 build "
+                 "(TORCH_CUDA_INDEX in scripts/versions.env), or build Horovod with your own "
+                 "CUDA 12 toolkit (docs/gpu.md §2)")
     if major not in TOOLKIT_PACKAGES:
-        sys.exit(f"cuda_toolkit: CUDA {version} is not supported (CUDA 12 or 13): install a "
-                 f"torch build for one of them")
+        sys.exit(f"cuda_toolkit: CUDA {version} is not supported (CUDA 13 only): install "
+                 "torch's CUDA 13 build (TORCH_CUDA_INDEX in scripts/versions.env)")
     packages = dest / f"packages-{version}"
     home = dest / f"cuda-{version}"
     specs = [s.format(v=version) for s in TOOLKIT_PACKAGES[major]]

@@ -68,7 +68,9 @@ def test_refuses_a_cpu_torch_and_unsupported_cuda(tmp_path):
             ct.torch_cuda_version()
     with pytest.raises(SystemExit, match="CUDA 11.8 is not supported"):
         ct.assemble(tmp_path, "11.8")
-    assert set(ct.TOOLKIT_PACKAGES) == {"12", "13"}
+    with pytest.raises(SystemExit, match="holds ptxas but no nvcc"):
+        ct.assemble(tmp_path, "12.8")
+    assert set(ct.TOOLKIT_PACKAGES) == {"13"}
     assert "nvidia-cuda-nvcc=={v}.*" in ct.TOOLKIT_PACKAGES["13"]
 
 
