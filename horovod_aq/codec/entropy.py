@@ -27,13 +27,10 @@ import numpy as np
 from horovod_aq.codec.bits import pack_bits
 from horovod_aq.codec.entropy_format import (
     CODER_HEADER_FORMAT,
-    GROUPS,
-    LANES,
-    PRECISION,
-    STEPS,
     Body,
     check_body,
     code_table,
+    coder_fields,
     entropy_payload_size,
     group_symbols,
     parse_body,
@@ -118,8 +115,7 @@ def assemble(codes: np.ndarray, norms: np.ndarray, table: LevelTable, bucket_siz
         parts = [_header(n, table, bucket_size, norm, False), norm_bytes, pack_bits(codes, bits)]
     else:
         t, states, counts, words = body
-        coder = struct.pack(CODER_HEADER_FORMAT, size, PRECISION, GROUPS[bits],
-                            LANES.bit_length() - 1, STEPS.bit_length() - 1, 0)
+        coder = struct.pack(CODER_HEADER_FORMAT, size, *coder_fields(bits))
         parts = [_header(n, table, bucket_size, norm, True), norm_bytes,
                  np.frombuffer(coder, np.uint8), states.astype("<u4").reshape(-1).view(np.uint8),
                  counts.astype("<u2").view(np.uint8), t.astype("<u2").view(np.uint8),

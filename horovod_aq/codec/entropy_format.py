@@ -45,7 +45,8 @@ from horovod_aq.codec.format import (
 
 __all__ = [
     "BLOCK_SYMBOLS", "CODER_HEADER_FORMAT", "CODER_HEADER_SIZE", "CODE_TABLE_BITS", "GROUPS",
-    "LANES", "PRECISION", "STATE_LOW", "STEPS", "Body", "check_body", "code_table",
+    "LANES", "PRECISION", "STATE_LOW", "STEPS", "Body", "Sections", "check_body", "code_table",
+    "coder_fields", "sections",
     "empirical_entropy",
     "entropy_payload_size", "group_symbols", "normalize_frequencies", "num_blocks",
     "num_symbols", "parse_body", "payload_length", "symbol_codes", "symbol_model",
@@ -96,11 +97,38 @@ def _body_offset(numel: int, bucket_size: int) -> int:
 def entropy_payload_size(numel: int, bits: int, bucket_size: int, num_levels: int,
                          words: int) -> int:
     """Exact size of an entropy-coded payload holding ``words`` 16-bit words:
-    32 + 4·⌈n/B⌉ + 16 + (4K + 2)·nblk + 2N + 2W."""
+    32 + 4·⌈n/B⌉ + 16 + (4K + 2)·nblk + 2N + 2W (the WORDS start after the rest)."""
+    return sections(numel, bits, bucket_size, num_levels).words + WORD_BYTES * words
+
+
+@dataclass(frozen=True)
+class Sections:
+    """Byte offsets of an entropy-coded payload's sections (docs/format.md §12) for (n, b, B,
+    N): CODER HEADER at ``coder``, STATES at ``states``, COUNTS at ``counts``, CODE TABLE at
+    ``table``, WORDS from ``words`` on; ``blocks`` = nblk."""
+
+    coder: int
+    states: int
+    counts: int
+    table: int
+    words: int
+    blocks: int
+
+
+def sections(numel: int, bits: int, bucket_size: int, num_levels: int) -> Sections:
+    """Where the sections of an entropy-coded payload of these settings start."""
     nblk = num_blocks(numel, bits)
-    return (_body_offset(numel, bucket_size) + CODER_HEADER_SIZE
-            + (STATE_BYTES * LANES + COUNT_BYTES) * nblk + TABLE_BYTES * num_levels
-            + WORD_BYTES * words)
+    coder = _body_offset(numel, bucket_size)
+    states = coder + CODER_HEADER_SIZE
+    counts = states + STATE_BYTES * LANES * nblk
+    table = counts + COUNT_BYTES * nblk
+    return Sections(coder, states, counts, table, table + TABLE_BYTES * num_levels, nblk)
+
+
+def coder_fields(bits: int) -> tuple[int, int, int, int, int]:
+    """(precision, codes per symbol, log2 lanes, log2 steps, reserved): the coder header's
+    fields after the coded size that this build reads at ``bits``."""
+    return PRECISION, GROUPS[bits], LANES.bit_length() - 1, STEPS.bit_length() - 1, 0
 
 
 def payload_length(buf: Any) -> int:
@@ -227,8 +255,9 @@ def parse_body(data: np.ndarray, header: Header) -> Body:
     (docs/format.md §12 lists the checks, in this order). Nothing is sized by a field before
     the buffer length has confirmed it. ``check_body`` checks the sections' contents."""
     n, bits, nlev = header.numel, header.bits, header.num_levels
-    start = _body_offset(n, header.bucket_size)
-    fixed_part = entropy_payload_size(n, bits, header.bucket_size, nlev, 0)
+    at = sections(n, bits, header.bucket_size, nlev)
+    start = at.coder
+    fixed_part = at.words
     if n == 0 or data.size < fixed_part:
         _refuse(f"entropy-coded payload is truncated: {data.size} bytes, but its header "
                 f"(n={n}, bits={bits}, bucket_size={header.bucket_size}, {nlev} levels) needs "
@@ -236,7 +265,7 @@ def parse_body(data: np.ndarray, header: Header) -> Body:
                 "entropy-coded payload has n = 0 (an empty gradient is a fixed-width payload)")
     size, prec, group, log_lanes, log_steps, reserved = struct.unpack(
         CODER_HEADER_FORMAT, data[start:start + CODER_HEADER_SIZE].tobytes())
-    want = (PRECISION, GROUPS[bits], LANES.bit_length() - 1, STEPS.bit_length() - 1, 0)
+    want = coder_fields(bits)
     if (prec, group, log_lanes, log_steps, reserved) != want:
         _refuse(f"entropy coder header has (precision, group, log2 lanes, log2 steps, reserved) "
                 f"= {(prec, group, log_lanes, log_steps, reserved)} but this build reads {want} "
@@ -244,19 +273,15 @@ def parse_body(data: np.ndarray, header: Header) -> Body:
     if size != data.size:
         _refuse(f"entropy-coded payload length mismatch: its coder header states {size} bytes "
                 f"but the buffer holds {data.size} (truncated, too long, or a forged length)")
-    nblk = num_blocks(n, bits)
-    at = start + CODER_HEADER_SIZE
-    states = data[at:at + STATE_BYTES * LANES * nblk].view("<u4").reshape(nblk, LANES)
-    at += STATE_BYTES * LANES * nblk
-    counts = data[at:at + COUNT_BYTES * nblk].view("<u2").astype(np.int64)
-    at += COUNT_BYTES * nblk
-    table = data[at:at + TABLE_BYTES * nlev].view("<u2")
-    at += TABLE_BYTES * nlev
+    nblk = at.blocks
+    states = data[at.states:at.counts].view("<u4").reshape(nblk, LANES)
+    counts = data[at.counts:at.table].view("<u2").astype(np.int64)
+    table = data[at.table:at.words].view("<u2")
     words = int(counts.sum())
-    if data.size != at + WORD_BYTES * words:
+    if data.size != at.words + WORD_BYTES * words:
         _refuse(f"entropy-coded payload length mismatch: its block counts hold {words} words, "
-                f"{at + WORD_BYTES * words} bytes in all, but the payload has {data.size}")
-    return Body(num_symbols(n, bits), states, counts, table, data[at:].view("<u2"))
+                f"{at.words + WORD_BYTES * words} bytes in all, but the payload has {data.size}")
+    return Body(num_symbols(n, bits), states, counts, table, data[at.words:].view("<u2"))
 
 
 def check_body(body: Body) -> None:

@@ -47,15 +47,13 @@ from horovod_aq.codec.entropy_format import (
     GROUPS,
     LANES,
     PRECISION,
-    STATE_BYTES,
     STATE_LOW,
-    STEPS,
-    TABLE_BYTES,
     WORD_BYTES,
+    coder_fields,
     entropy_payload_size,
     normalize_frequencies,
-    num_blocks,
     num_symbols,
+    sections,
     symbol_model,
 )
 from horovod_aq.codec.stream import StreamKey
@@ -122,8 +120,7 @@ def entropy_of_fixed(fixed: torch.Tensor, table: LevelTable, n: int, bucket_size
     device = fixed.device
     head = fixed[:HEADER_SIZE].clone()
     head[FLAGS_OFFSET] |= FLAG_ENTROPY
-    coder = struct.pack(CODER_HEADER_FORMAT, size, PRECISION, g, LANES.bit_length() - 1,
-                        STEPS.bit_length() - 1, 0)
+    coder = struct.pack(CODER_HEADER_FORMAT, size, *coder_fields(bits))
 
     def host_bytes(raw: bytes) -> torch.Tensor:
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
@@ -139,29 +136,24 @@ def entropy_of_fixed(fixed: torch.Tensor, table: LevelTable, n: int, bucket_size
 
 
 class _Layout:
-    """Where the sections of a payload of (n, table, B) lie (docs/format.md §12), in bytes."""
+    """A payload of (n, table, B): its fixed-width size and, entropy-coded, where its sections
+    lie (``entropy_format.sections``, docs/format.md §12)."""
 
-    __slots__ = ("numel", "bits", "bucket_size", "norms_end", "states_at", "counts_at",
-                 "table_at", "words_at", "blocks", "fixed_size")
+    __slots__ = ("numel", "bits", "bucket_size", "at", "fixed_size")
 
     def __init__(self, numel: int, table: LevelTable, bucket_size: int) -> None:
         self.numel, self.bits, self.bucket_size = numel, table.bits, bucket_size
-        self.norms_end = HEADER_SIZE + NORM_BYTES * codec.num_buckets(numel, bucket_size)
-        self.blocks = num_blocks(numel, self.bits)
-        self.states_at = self.norms_end + CODER_HEADER_SIZE
-        self.counts_at = self.states_at + STATE_BYTES * LANES * self.blocks
-        self.table_at = self.counts_at + COUNT_BYTES * self.blocks
-        self.words_at = self.table_at + TABLE_BYTES * table.num_levels
+        self.at = sections(numel, self.bits, bucket_size, table.num_levels)
         self.fixed_size = codec.payload_size(numel, self.bits, bucket_size)
 
     def metadata(self, row: torch.Tensor) -> torch.Tensor:
         """A row's header, coder header, block counts and code table (zeros past its end)."""
-        wanted = HEADER_SIZE + CODER_HEADER_SIZE + (self.words_at - self.counts_at)
-        if row.numel() < self.words_at:
+        at = self.at
+        wanted = HEADER_SIZE + CODER_HEADER_SIZE + (at.words - at.counts)
+        if row.numel() < at.words:
             return torch.nn.functional.pad(row[:HEADER_SIZE], (0, wanted - min(
                 HEADER_SIZE, row.numel())))
-        return torch.cat([row[:HEADER_SIZE], row[self.norms_end:self.states_at],
-                          row[self.counts_at:self.words_at]])
+        return torch.cat([row[:HEADER_SIZE], row[at.coder:at.states], row[at.counts:at.words]])
 
     def entropy_sections(self, meta: np.ndarray, size: int) -> tuple[np.ndarray,
                                                                      np.ndarray] | None:
@@ -170,13 +162,12 @@ class _Layout:
         ``check_body``), else None."""
         coder = struct.unpack(CODER_HEADER_FORMAT,
                               meta[HEADER_SIZE:HEADER_SIZE + CODER_HEADER_SIZE].tobytes())
-        want = (size, PRECISION, GROUPS[self.bits], LANES.bit_length() - 1,
-                STEPS.bit_length() - 1, 0)
-        at = HEADER_SIZE + CODER_HEADER_SIZE
-        counts = meta[at:at + COUNT_BYTES * self.blocks].view("<u2").astype(np.int64)
-        table = meta[at + COUNT_BYTES * self.blocks:].view("<u2")
-        if (self.numel == 0 or coder != want or size != self.words_at + WORD_BYTES *
-                int(counts.sum()) or int(table.astype(np.int64).sum()) != 1 << CODE_TABLE_BITS):
+        first = HEADER_SIZE + CODER_HEADER_SIZE
+        counts = meta[first:first + COUNT_BYTES * self.at.blocks].view("<u2").astype(np.int64)
+        table = meta[first + COUNT_BYTES * self.at.blocks:].view("<u2")
+        if (self.numel == 0 or coder != (size, *coder_fields(self.bits))
+                or size != self.at.words + WORD_BYTES * int(counts.sum())
+                or int(table.astype(np.int64).sum()) != 1 << CODE_TABLE_BITS):
             return None
         return counts, table
 
@@ -231,7 +222,7 @@ def device_values(rows: Sequence[torch.Tensor], levels: LevelTable | Any, *, num
             values.append(got[0])
             flags.append(got[1])
             continue
-        width = lay.blocks + 2 * (1 << (GROUPS[lay.bits] * lay.bits)) + (1 << PRECISION)
+        width = lay.at.blocks + 2 * (1 << (GROUPS[lay.bits] * lay.bits)) + (1 << PRECISION)
         model = on_device[at:at + width]
         at += width
         out, ok = _entropy_row(row, lay, table, model)
@@ -245,13 +236,15 @@ def _entropy_row(row: torch.Tensor, lay: _Layout, table: LevelTable,
     """The values of one checked entropy-coded row, with its flags (norms, states, stream):
     ``model`` holds its block counts, then f, c and the slot table (``model_tensors``)."""
     alphabet = 1 << (GROUPS[lay.bits] * lay.bits)
-    counts, f, c, slots = torch.split(model, [lay.blocks, alphabet, alphabet, 1 << PRECISION])
-    norms = _aligned(row[HEADER_SIZE:lay.norms_end], torch.float32)
-    states = _aligned(row[lay.states_at:lay.counts_at], torch.int32).to(torch.int64) & 0xFFFFFFFF
-    words = _aligned(row[lay.words_at:], torch.uint16)
+    counts, f, c, slots = torch.split(model, [lay.at.blocks, alphabet, alphabet,
+                                              1 << PRECISION])
+    at = lay.at
+    norms = _aligned(row[HEADER_SIZE:at.coder], torch.float32)
+    states = _aligned(row[at.states:at.counts], torch.int32).to(torch.int64) & 0xFFFFFFFF
+    words = _aligned(row[at.words:], torch.uint16)
     nsym = num_symbols(lay.numel, lay.bits)
     symbols, stream_ok = triton_entropy().decode_symbols_flagged(
-        states.view(lay.blocks, LANES), counts, words, f, c, slots, nsym)
+        states.view(lay.at.blocks, LANES), counts, words, f, c, slots, nsym)
     g = GROUPS[lay.bits]
     shifts = torch.arange(g, dtype=torch.int32, device=row.device) * lay.bits
     codes = ((symbols.to(torch.int32)[:, None] >> shifts) & ((1 << lay.bits) - 1)).reshape(-1)
