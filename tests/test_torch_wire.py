@@ -286,12 +286,16 @@ def _tap_all(ranks):
     return tapped
 
 
-@pytest.mark.parametrize("mode, P, masked", [("allgather", 2, False), ("allgather", 3, True),
-                                             ("two_phase", 3, False), ("two_phase", 2, True)])
+ENTROPY_CASES = [("allgather", 2, False), ("allgather", 3, True), ("two_phase", 3, False),
+                 ("two_phase", 2, True)]
+
+
+# (Triton's interpreter is slow: its masked cases cover both modes)
+@pytest.mark.parametrize("kernels, mode, P, masked", [
+    (k, *case) for k in ("auto", "ops", "triton") for case in ENTROPY_CASES
+    if k != "triton" or case[2]], indirect=["kernels"])
 def test_the_entropy_wire_sends_the_oracles_bytes_and_averages_like_the_fixed_one(kernels, mode, P,
                                                                                    masked):
-    if kernels == "triton" and not masked:
-        pytest.skip("Triton's interpreter is slow: the masked cases cover both modes")
     _, ranks = _ranks(P, mode, _qsgd, coding="entropy", numels=BIG, masked=masked)
     tapped = _tap_all(ranks)
     grads = _grads(P, numels=BIG)
