@@ -206,13 +206,14 @@ def device_values(rows: Sequence[torch.Tensor], levels: LevelTable | Any, *, num
         if found is None:
             return None
         sections.append(found)
-    models = [np.concatenate([found[0], triton_entropy().model_tensors(
+    models = [np.concatenate([found[0], triton_entropy().model_array(
         *symbol_model(found[1], lay.bits))]) for found in sections if found is not None]
     host = torch.from_numpy(np.concatenate(models) if models else np.zeros(0, np.int64))
     if device.type == "cuda":
         host = host.pin_memory()
-    on_device = host.to(device, non_blocking=True)   # every model in one copy
-    values, flags, at = [], [], 0
+    on_device = iter(torch.split(host.to(device, non_blocking=True),   # every model at once
+                                 [m.size for m in models]))
+    values, flags = [], []
     for row, found in zip(rows, sections):
         if found is None:
             got = kernels.decode_flagged(row[None], table, numel=numel,
@@ -222,10 +223,7 @@ def device_values(rows: Sequence[torch.Tensor], levels: LevelTable | Any, *, num
             values.append(got[0])
             flags.append(got[1])
             continue
-        width = lay.at.blocks + 2 * (1 << (GROUPS[lay.bits] * lay.bits)) + (1 << PRECISION)
-        model = on_device[at:at + width]
-        at += width
-        out, ok = _entropy_row(row, lay, table, model)
+        out, ok = _entropy_row(row, lay, table, next(on_device))
         values.append(out)
         flags.extend(ok)
     return values, torch.stack(flags).all()
@@ -234,7 +232,7 @@ def device_values(rows: Sequence[torch.Tensor], levels: LevelTable | Any, *, num
 def _entropy_row(row: torch.Tensor, lay: _Layout, table: LevelTable,
                  model: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The values of one checked entropy-coded row, with its flags (norms, states, stream):
-    ``model`` holds its block counts, then f, c and the slot table (``model_tensors``)."""
+    ``model`` holds its block counts, then f, c and the slot table (``model_array``)."""
     alphabet = 1 << (GROUPS[lay.bits] * lay.bits)
     counts, f, c, slots = torch.split(model, [lay.at.blocks, alphabet, alphabet,
                                               1 << PRECISION])

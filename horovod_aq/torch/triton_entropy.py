@@ -36,7 +36,7 @@ from horovod_aq.codec.entropy_format import (
 )
 from horovod_aq.codec.rans import slot_symbols
 
-__all__ = ["decode_symbols", "decode_symbols_flagged", "encode_symbols", "model_tensors"]
+__all__ = ["decode_symbols", "decode_symbols_flagged", "encode_symbols", "model_array"]
 
 
 @triton.jit
@@ -136,14 +136,14 @@ def decode_symbols(states: torch.Tensor, counts: torch.Tensor, words: torch.Tens
                    f: np.ndarray, c: np.ndarray, nsym: int) -> torch.Tensor | None:
     """The nsym uint8 symbols of a body (``rans.decode_symbols``), or None if a block's stream
     is refused (past its end, words left unread, a lane not back at 2^16)."""
-    device = words.device
-    ft, ct, _ = _tables(f, c, device)
-    slots = torch.as_tensor(slot_symbols(np.asarray(f, np.int64)), device=device)
+    alphabet = len(f)
+    model = torch.as_tensor(model_array(f, c), device=words.device)   # one copy
+    ft, ct, slots = torch.split(model, [alphabet, alphabet, model.numel() - 2 * alphabet])
     out, ok = decode_symbols_flagged(states, counts, words, ft, ct, slots, nsym)
     return out if bool(ok) else None
 
 
-def model_tensors(f: np.ndarray, c: np.ndarray) -> np.ndarray:
+def model_array(f: np.ndarray, c: np.ndarray) -> np.ndarray:
     """f, c and the decoder's slot → symbol table of a model, as one int64 host array (one
     copy to the device): [f (A) | c (A) | slots (2^PRECISION)]."""
     f = np.asarray(f, np.int64)
