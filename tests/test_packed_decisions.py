@@ -208,6 +208,30 @@ def test_send_bucket_sends_markers_for_what_cannot_travel(mode):
     assert log == ["compensate", "check", f"markers {B}"]
 
 
+@pytest.mark.parametrize("mode", ["allgather", "two_phase"])
+def test_send_bucket_decided_after_the_encode_encodes_first_and_sends_what_decide_chose(mode):
+    """``SendSteps.decide`` (the device's choice of markers, tests/test_torch_markers.py for its
+    bytes): step 4 first, then step 2 on x and the payloads; it never records or updates."""
+    ranks = 3
+    log = []
+    _, steps = _numpy_steps(log, ranks, mode)
+    raw = np.linspace(-1, 1, 20).astype(np.float32)
+    chosen = []
+
+    def decide(x, payloads):
+        log.append("decide")
+        np.testing.assert_array_equal(x, raw)
+        chosen.extend(p[::-1] for p in payloads)   # stands for "replaced by markers"
+        return chosen
+
+    steps = dataclasses.replace(steps, decide=decide)
+    assert send.send_bucket(raw, steps) is chosen
+    parts = 1 if mode == "allgather" else ranks
+    assert log == ["compensate"] + [f"encode {k}" for k in range(parts)] + ["decide"]
+    with pytest.raises(ValueError, match="without error memory"):
+        send.send_bucket(raw, steps, lambda g, p: None)
+
+
 def _fused_step(log, ranks, mode, ef, table, name="b"):
     """``SendSteps.encode_compensated`` from the numpy oracle (``codec.encode_compensated`` per
     part, the keys of ``_payload``): payloads and an install that is logged."""

@@ -16,6 +16,11 @@ from horovod_aq.packed.plan import BucketPlan
 from horovod_aq.packed.receive import JoinedRankError
 from horovod_aq.packed.waiting import Deadline, ExchangeStalledError
 
+# Triton's interpreter encodes an unsendable bucket as it would on a GPU (the wire then sends
+# markers in its place, decided on the device): numpy warns about its arithmetic
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:(overflow|invalid value) encountered:RuntimeWarning")
+
 torch = pytest.importorskip("torch")
 wire_mod = pytest.importorskip("horovod_aq.torch.wire")
 compensated = pytest.importorskip("horovod_aq.torch.compensated")
@@ -93,19 +98,27 @@ def kernels(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=[False, True], ids=["at-once", "deferred"])
+def defer(request):
+    """A wire that decides its final rows at once, and one that leaves their device flag for
+    ``Wire.settle`` (the optimizer's and the DDP hook's: docs/protocol.md §5.8)."""
+    return request.param
+
+
 #: A bucket large enough that entropy-coded payloads are smaller than fixed-width ones.
 BIG = (4000, 7, 2993)
 
 
 def _ranks(P, mode, comp_factory, *, masked=False, net=None, deadline=Deadline(None),
-           coding="fixed", numels=NUMELS):
+           coding="fixed", numels=NUMELS, defer=False):
     net = net or Network(P)
     n = sum(numels)
     plan = BucketPlan(3, "t.0.abc", (0, 1, 2), n, mode)
     out = []
     for r in range(P):
         comp = comp_factory()
-        wire = wire_mod.Wire(comp, Loopback(net, r), stream_rank=r, deadline=deadline)
+        wire = wire_mod.Wire(comp, Loopback(net, r), stream_rank=r, deadline=deadline,
+                             defer=defer)
         out.append((comp, wire, wire_mod.Bucket(plan, NAMES, numels, masked=masked,
                                                 coding=coding)))
     return net, out
@@ -116,12 +129,21 @@ def _grads(P, seed=0, numels=NUMELS):
     return [rng.standard_normal(sum(numels)).astype(np.float32) for _ in range(P)]
 
 
+def _result(wire, bucket):
+    """The bucket's result as the optimizer and the DDP hook take it: finished, then settled
+    (raising what settling found)."""
+    wire.finish(bucket)
+    for _, exc in wire.settle([bucket]):
+        raise exc
+    return bucket.result
+
+
 def _run(ranks, grads, present=None):
     for (comp, wire, bucket), g in zip(ranks, grads):
         wire.submit(bucket, torch.from_numpy(g.copy()), present)
     for comp, wire, bucket in ranks:
         wire.advance(bucket)
-    return [wire.finish(bucket).numpy() for comp, wire, bucket in ranks]
+    return [_result(wire, bucket).numpy() for comp, wire, bucket in ranks]
 
 
 def _qsgd():
@@ -150,8 +172,9 @@ def _oracle(grads, mode, table):
 @pytest.mark.parametrize("mode, P", [("allgather", 2), ("allgather", 3), ("two_phase", 3),
                                      ("two_phase", 4)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_the_engine_equals_the_numpy_oracle_and_taps_every_payload(kernels, mode, P, masked):
-    _, ranks = _ranks(P, mode, _qsgd, masked=masked)
+def test_the_engine_equals_the_numpy_oracle_and_taps_every_payload(kernels, defer, mode, P,
+                                                                   masked):
+    _, ranks = _ranks(P, mode, _qsgd, masked=masked, defer=defer)
     tapped = []
     for comp, wire, bucket in ranks:
         wire.tap = lambda b, part, values, payload, r=wire.stream_rank: tapped.append((r, part))
@@ -191,30 +214,48 @@ def _marker_errors(ranks, grads):
         wire.submit(bucket, torch.from_numpy(g))
     for comp, wire, bucket in ranks:
         with pytest.raises(codec.NonFiniteGradientError) as err:
-            wire.finish(bucket)
+            _result(wire, bucket)
         errors.append(str(err.value))
     return errors
 
 
 @pytest.mark.parametrize("mode", ["allgather", "two_phase"])
-def test_a_marker_names_rank_and_parameter_on_every_rank(kernels, mode):
+def test_a_marker_names_rank_and_parameter_on_every_rank(kernels, defer, mode):
     P = 3
-    _, ranks = _ranks(P, mode, _qsgd)
+    _, ranks = _ranks(P, mode, _qsgd, defer=defer)
     grads = _grads(P)
     grads[2][45] = np.nan                     # parameter "b" occupies elements 40..46
     errors = _marker_errors(ranks, grads)
     assert len(set(errors)) == 1 and "on rank 2" in errors[0] and "'b'" in errors[0]
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # Triton's interpreter
+@pytest.mark.parametrize("kernels", ["ops", "triton"], indirect=True)
+def test_a_deferred_wire_decides_its_final_rows_when_settled(kernels):
+    """With ``defer`` finish reads no flag: a marker in the allgather (decoded on the device as
+    if plain) is found by ``settle``, which returns its error beside the bucket, once."""
+    P = 2
+    _, ranks = _ranks(P, "allgather", _qsgd, defer=True)
+    grads = _grads(P)
+    grads[1][3] = np.inf
+    for (comp, wire, bucket), g in zip(ranks, grads):
+        wire.submit(bucket, torch.from_numpy(g))
+    for comp, wire, bucket in ranks:
+        wire.finish(bucket)                    # no error yet: the flag is unread
+        assert bucket.unsettled is not None
+        [(failed, exc)] = wire.settle([bucket])
+        assert failed is bucket and isinstance(exc, codec.NonFiniteGradientError)
+        assert "on rank 1" in str(exc) and "'w'" in str(exc)
+        assert bucket.unsettled is None and wire.settle([bucket]) == []
+
+
 @pytest.mark.parametrize("nonfinite", ["raise", "skip"])
-def test_an_average_past_float32_is_a_marker_for_every_rank(kernels, nonfinite):
+def test_an_average_past_float32_is_a_marker_for_every_rank(kernels, defer, nonfinite):
     """Two-phase: both ranks' first bucket fits a float32 norm, the re-encoded average of
     chunk 0 does not (8e37 · √16 sendable, its quantized average not): rank 0 sends a marker
     in the second allgather, so both ranks raise naming parameter 'w' (or both skip), where
     rank 0 alone had raised and rank 1 waited for its allgather."""
     _, ranks = _ranks(2, "two_phase", lambda: horovod_aq.QSGD(bits=3, bucket_size=B, seed=SEED,
-                                                              nonfinite=nonfinite))
+                                                              nonfinite=nonfinite), defer=defer)
     grads = _grads(2)
     for g in grads:
         g[:16] = 8e37
@@ -228,15 +269,17 @@ def test_an_average_past_float32_is_a_marker_for_every_rank(kernels, nonfinite):
     errors = []
     for comp, wire, bucket in ranks:
         with pytest.raises(codec.NonFiniteGradientError) as err:
-            wire.finish(bucket)
+            _result(wire, bucket)
         errors.append(str(err.value))
     assert len(set(errors)) == 1 and "on rank 0" in errors[0] and "'w'" in errors[0]
 
 
-def test_skip_gives_nan_on_every_rank(kernels):
+@pytest.mark.parametrize("mode", ["allgather", "two_phase"])
+def test_skip_gives_nan_on_every_rank(kernels, defer, mode):
     P = 2
-    _, ranks = _ranks(P, "two_phase",
-                      lambda: horovod_aq.QSGD(bits=3, bucket_size=B, seed=SEED, nonfinite="skip"))
+    _, ranks = _ranks(P, mode,
+                      lambda: horovod_aq.QSGD(bits=3, bucket_size=B, seed=SEED, nonfinite="skip"),
+                      defer=defer)
     grads = _grads(P)
     grads[0][:] = 3e38                        # finite, but the bucket norms overflow float32
     results = _run(ranks, grads)
@@ -244,9 +287,10 @@ def test_skip_gives_nan_on_every_rank(kernels):
     assert all(bucket.skipped for _, _, bucket in ranks)
 
 
-def test_presence_masks_zero_what_no_rank_had(kernels):
+@pytest.mark.parametrize("mode", ["allgather", "two_phase"])
+def test_presence_masks_zero_what_no_rank_had(kernels, defer, mode):
     P = 3
-    _, ranks = _ranks(P, "two_phase", _qsgd, masked=True)
+    _, ranks = _ranks(P, mode, _qsgd, masked=True, defer=defer)
     grads = _grads(P)
     for g in grads:
         g[40:47] = 0.0                          # "b" absent everywhere, sent as zeros
@@ -266,15 +310,15 @@ def test_a_stalled_wait_ends_with_an_error_naming_the_collective():
     assert "'aq.ag.t.0.abc'" in str(err.value) and "at step 7" in str(err.value)
 
 
-def test_a_zero_filled_row_is_a_joined_rank(kernels):
+def test_a_zero_filled_row_is_a_joined_rank(kernels, defer):
     net = Network(2, zero_fills_joined=True)
-    _, ranks = _ranks(2, "allgather", _qsgd, net=net)
+    _, ranks = _ranks(2, "allgather", _qsgd, net=net, defer=defer)
     comp, wire, bucket = ranks[0]
     wire.submit(bucket, torch.from_numpy(_grads(2)[0]))
     mine = net.sent["aq.ag.t.0.abc"][0][0]
     net.sent["aq.ag.t.0.abc"][1] = [torch.zeros_like(mine)]   # what Horovod sends for rank 1
     with pytest.raises(JoinedRankError, match=r"rank\(s\) 1 called hvd.join\(\)"):
-        wire.finish(bucket)
+        _result(wire, bucket)
 
 
 # ---------------------------------------------------------------- the entropy-coded wire

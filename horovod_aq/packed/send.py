@@ -28,6 +28,11 @@ steps that record, and h' is installed last. In a graph the outcome is known onl
 graph runs: the pass always returns a :class:`Fused` whose ``refused`` is a bool tensor, and
 ``branch`` and ``when`` are the graph's conditionals. What is sent and what h becomes are
 bitwise the unfused steps' (``codec.encode_compensated`` is the definition).
+
+**Decided after the encode** (``SendSteps.decide``, where there is no error memory and nothing
+is recorded: the torch wire with Triton, docs/protocol.md §4): step 4 runs first, as if x could
+travel, and step 2 then chooses, on the device, between the payloads and the markers from x and
+the payloads' bucket norms, so the host reads nothing. The same bytes as steps 2–4 in order.
 """
 
 from __future__ import annotations
@@ -95,6 +100,10 @@ class SendSteps:
     #: (flag, action) → ``action()`` if ``flag``: :func:`python_when` eagerly, a ``tf.cond``
     #: in a graph (the fused path's step 3).
     when: Callable[[Any, Callable[[], Any]], Any] = python_when
+    #: Step 2 after step 4 (module docstring, "Decided after the encode"), or None:
+    #: (x, payloads) → the payloads, or the markers where an element of x cannot travel. Only
+    #: without error memory (no ``update``) and while nothing is recorded.
+    decide: Callable[[Any, Payloads], Payloads] | None = None
 
 
 def send_bucket(raw: Any, steps: SendSteps,
@@ -105,6 +114,12 @@ def send_bucket(raw: Any, steps: SendSteps,
     ``steps.encode_compensated`` the fused pass updates the memory instead."""
     if steps.encode_compensated is not None:
         return _send_fused(raw, steps)
+    if steps.decide is not None:
+        if update is not None:
+            raise ValueError("SendSteps.decide sends without error memory: it has no update")
+        x = steps.compensate(raw)                  # 1. x = g
+        sent = [steps.encode(part, k) for k, part in enumerate(steps.parts(x))]   # 4.
+        return steps.decide(x, sent)               # 2. payloads, or markers
     x = steps.compensate(raw)                      # 1. g + α·h
     bad = steps.first_bad(raw, x)                  # 2. what cannot travel → markers
 

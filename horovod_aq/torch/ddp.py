@@ -228,7 +228,7 @@ class QuantizedHookState:
         # the global rank keys the random stream, as on the Horovod paths (docs/format.md §6)
         self._wire = build_wire(self.compression, self._collectives,
                                 stream_rank=dist.get_rank(), deadline=self._deadline,
-                                topology=topology_of(self._group))
+                                topology=topology_of(self._group), defer=True)
         self._wire_setting.attach(self._wire)
         self._resolved = True
 
@@ -336,23 +336,26 @@ class QuantizedHookState:
         """The last bucket: finish every unit, hand the averages over, end the step."""
         q = self.compression.quantizer
         steps, self._steps, self._pending = self._steps, [], []
-        results: list[tuple[_Step, _Unit, torch.Tensor]] = []
-        error: BaseException | None = None
-        for s in steps:
-            for unit in s.units:
-                try:
-                    results.append((s, unit, self._finish(unit)))
-                except BaseException as exc:  # noqa: BLE001 - the first, after all finished
-                    error = error or exc
-        if error is not None:
+        held = [(s, unit) for s in steps for unit in s.units]
+        errors: dict[int, BaseException] = {}   # by unit position: the first, after all finished
+        for k, (_, unit) in enumerate(held):
+            try:
+                self._finish(unit)
+            except BaseException as exc:  # noqa: BLE001
+                errors[k] = exc
+        # the device flags of every unit's decode, read in one copy (docs/protocol.md §5.8)
+        position = {id(unit): k for k, (_, unit) in enumerate(held)}
+        for unit, exc in self.wire.settle([u for k, (_, u) in enumerate(held) if k not in errors]):
+            errors[position[id(unit)]] = exc
+        if errors:
             self._started = None
-            raise error
-        for s, unit, result in results:
-            unit.scatter(s.buffer, result)
+            raise errors[min(errors)]
+        for s, unit in held:
+            unit.scatter(s.buffer, unit.result)
             if unit.skipped:
                 self.skipped = True
             else:
-                q.observe_aggregate(result)
+                q.observe_aggregate(unit.result)
         for s in steps:
             s.future.set_result(s.buffer)
         units = [u for s in steps for u in s.units]

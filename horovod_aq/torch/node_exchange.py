@@ -409,10 +409,12 @@ class NodeExchange:
 
 
 def build_wire(compression: Any, comm: Collectives, *, stream_rank: int, deadline: Deadline,
-               topology: Topology | None) -> Wire:
+               topology: Topology | None, defer: bool = False) -> Wire:
     """The engine of a packed exchange: a :class:`~horovod_aq.torch.wire.Wire` over ``comm``,
-    with the node-aware stages attached on a ``topology`` (None: flat modes only)."""
-    wire = Wire(compression, comm, stream_rank=stream_rank, deadline=deadline)
+    with the node-aware stages attached on a ``topology`` (None: flat modes only). ``defer``:
+    the flat buckets' final flags wait for ``Wire.settle`` (the node-aware stages decide theirs
+    at once: their results travel on)."""
+    wire = Wire(compression, comm, stream_rank=stream_rank, deadline=deadline, defer=defer)
     if topology is not None:
         wire.node = NodeExchange(wire, topology, deadline=deadline)
     return wire

@@ -109,6 +109,8 @@ class _PackedOptimizer(torch.optim.Optimizer):
         self._aq_skip = False
         #: The first error a bucket of this step raised (kept until every bucket finished).
         self._aq_error: tuple[int, BaseException] | None = None   # (bucket index, error)
+        #: Whether this step's buckets were finished and settled (:meth:`_aq_settle`).
+        self._aq_settled = False
         #: A collective of this step was submitted by this rank (zero_grad can no longer
         #: forget the step: the other ranks would wait for, or meet, that collective).
         self._aq_submitted = False
@@ -184,7 +186,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         #: The engine (None on the pass-through): the global rank keys the random stream.
         self._aq_wire = None if self._aq_passthrough else build_wire(
             self._aq, HorovodCollectives(self.process_set), stream_rank=world.global_rank,
-            deadline=self._aq_deadline, topology=world.topology)
+            deadline=self._aq_deadline, topology=world.topology, defer=True)
         if self._aq_wire is not None:
             self._aq_wire.tap = tap
         settings = self._aq_settings
@@ -311,6 +313,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
         otherwise the agreement goes out, collected by :meth:`synchronize`."""
         if self._aq_started is None:
             self._aq_error = None   # a step that raised elsewhere (e.g. its agreement) left it
+            self._aq_settled = False
             self._aq_follow_trainable()
             checkpoint.adopt_broadcast(self)
             self._aq_follow_world()
@@ -417,10 +420,16 @@ class _PackedOptimizer(torch.optim.Optimizer):
             if self._aq_sum:
                 bucket.result.mul_(self._aq_ranks)
             return bucket.result
+        self._aq_settle()
+        if bucket.stage == "failed":   # its error, found as the step settled
+            return bucket.result
         try:
-            result = self._aq_wire.finish(bucket)
+            self._aq_wire.finish(bucket)
+            for _, exc in self._aq_wire.settle([bucket]):   # submitted after the step settled
+                raise exc
         except Exception as exc:
             return self._aq_fail(bucket, exc)
+        result = bucket.result
         if not bucket.delivered:
             bucket.delivered = True
             if bucket.skipped:
@@ -431,6 +440,27 @@ class _PackedOptimizer(torch.optim.Optimizer):
                     result.mul_(torch.full((), self._aq_ranks, dtype=result.dtype,
                                            device=result.device))
         return result
+
+    def _aq_settle(self) -> None:
+        """Once per step, when the first bucket is handed over: every submitted bucket's
+        exchange finished, then the device flags of their decodes read in one copy
+        (``Wire.settle``, docs/protocol.md §5.8). A bucket that fails keeps its error
+        (:meth:`_aq_fail`)."""
+        if self._aq_settled:
+            return
+        self._aq_settled = True
+        finished = []
+        for bucket in self._aq_buckets:
+            if bucket.stage in ("idle", "joined", "failed"):
+                continue
+            try:
+                self._aq_wire.finish(bucket)
+            except Exception as exc:
+                self._aq_fail(bucket, exc)
+            else:
+                finished.append(bucket)
+        for bucket, exc in self._aq_wire.settle(finished):
+            self._aq_fail(bucket, exc)
 
     def _aq_fail(self, bucket: OptimizerBucket, exc: BaseException) -> torch.Tensor:
         """A bucket that raised: its error is kept for :meth:`synchronize`, which raises, once
@@ -456,6 +486,7 @@ class _PackedOptimizer(torch.optim.Optimizer):
             self._aq_agree()   # first: a rank that changed alone must not leave others waiting
             _HorovodOptimizer.synchronize(self)
         finally:
+            self._aq_settled = False
             self._aq_agreement.reset()
             joined, self._aq_joined = self._aq_joined, None
             self._aq_joined_before = joined is not None

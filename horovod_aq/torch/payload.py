@@ -59,11 +59,13 @@ _HEADERS = DeviceCache()
 
 
 def header_tensor(numel: int, table: LevelTable, bucket_size: int, norm: str,
-                  device) -> torch.Tensor:
-    """The header tensor of a payload; one cache slot per tensor shape, replaced when the table
-    changes (a refit), so refits do not accumulate headers."""
-    raw = codec.make_header(numel, table, bucket_size, norm)
-    key = ("header", numel, table.num_levels, bucket_size, norm, str(device))
+                  device, *, marker: bool = False) -> torch.Tensor:
+    """The header tensor of a payload (``marker``: of a non-finite marker naming element 0);
+    one cache slot per tensor shape, replaced when the table changes (a refit), so refits do
+    not accumulate headers."""
+    raw = codec.make_header(numel, table, bucket_size, norm,
+                            first_nonfinite=0 if marker else None)
+    key = ("header", numel, table.num_levels, bucket_size, norm, str(device), marker)
     cached = _HEADERS.get(key, lambda: (raw, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
                                       .to(device)))
     if cached[0] != raw:

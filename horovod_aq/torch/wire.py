@@ -16,7 +16,8 @@ Stages of a bucket (``Bucket.stage``)::
 
 1. :meth:`Wire.submit` sends the bucket's raw float32 gradient (``packed.send.send_bucket``;
    with error feedback one pass, CPU or Triton, encodes and updates the memory,
-   ``torch.compensated``):
+   ``torch.compensated``; without it, on Triton, the choice of markers is made on the device
+   after the encode, ``torch.markers``):
    one allgather "aq.ag.<bucket>" of the payload, or one alltoall "aq.a2a.<bucket>" of the P
    chunk payloads (markers in their place when the gradient cannot travel).
 2. :meth:`Wire.advance` (two-phase): waits for the alltoall, decides on the received chunks
@@ -27,6 +28,10 @@ Stages of a bucket (``Bucket.stage``)::
    the P averaged chunks concatenated) — in the work's callback under ``torch.distributed``
    (overlapping the backward pass), when collected under Horovod. :meth:`Wire.finish` returns
    the averaged gradient and raises what a callback kept, at the same point on every rank.
+4. With ``defer`` (the optimizer's and the DDP hook's wires), plain final rows are decoded on
+   the device and their flag is left unread: :meth:`Wire.settle`, at the step's end, reads the
+   flags of every bucket in one copy and sends a bucket whose flag is False through the checked
+   path (docs/protocol.md §5.8).
 
 Collectives go out in the order the caller calls :meth:`~Wire.submit` and :meth:`~Wire.advance`
 (``torch.distributed`` pairs them by issue order, so the DDP hook calls both from the hook, in
@@ -46,7 +51,8 @@ first-phase payload, ``np.packbits`` order): parameters no rank had a gradient f
 exact zeros in the result and in the re-encoded chunk (docs/protocol.md §15).
 
 :attr:`Wire.tap`, when set, sees every payload the wire encodes: ``tap(bucket, part, values,
-payload)`` (part k < P: chunk k or the allgather payload; part P: a re-encoded chunk).
+payload)`` (part k < P: chunk k or the allgather payload; part P: a re-encoded chunk). Where the
+choice of markers is made on the device, it also sees the payload that a marker then replaces.
 
 **Timing.** :attr:`Wire.seconds` adds up the seconds spent encoding, decoding and waiting, and
 :attr:`Wire.sent` the bytes this rank sent (telemetry; ``wire="auto"`` compares whole steps
@@ -84,7 +90,7 @@ from horovod_aq.packed.send import (
     sent_values,
 )
 from horovod_aq.packed.waiting import FOREVER, Deadline, wait_until
-from horovod_aq.torch import compensated, entropy, kernels, stats
+from horovod_aq.torch import compensated, entropy, kernels, markers, stats
 
 #: What the wire times (``Wire.seconds``): encoding, decoding and averaging, waiting.
 TIMED = ("encode", "decode", "wait")
@@ -187,7 +193,7 @@ class Bucket:
         # what it is (fixed when planned)
         "plan", "names", "numels", "offsets", "masked", "coding", "key",
         # its exchange in the current step
-        "stage", "pending", "table", "result", "skipped", "gone", "step",
+        "stage", "pending", "table", "result", "skipped", "gone", "step", "unsettled",
     )
 
     def __init__(self, plan: BucketPlan, names: Sequence[str], numels: Sequence[int], *,
@@ -216,6 +222,9 @@ class Bucket:
         self.gone: list[int] = []
         #: The compressor step of the exchange (set by ``Wire.submit``).
         self.step: int | None = None
+        #: A final decode whose device flag is not read yet (``Wire.settle``): (flag, rows,
+        #: whether the rows were averaged); None when there is none.
+        self.unsettled: tuple[torch.Tensor, Rows, bool] | None = None
 
     #: The plan's index (the stream key's bucket), name, size and exchange mode.
     index = property(lambda self: self.plan.index)
@@ -250,6 +259,9 @@ class Wire:
         comm: the payload collectives of the process group.
         stream_rank: the global rank, which keys the random stream (docs/format.md §6).
         deadline: how long one wait may last (``packed.waiting.Deadline``).
+        defer: whether the final decode of plain rows leaves its device flag for
+            :meth:`settle` (one host read per step for all buckets, docs/protocol.md §5.8); the
+            caller then settles every bucket it finished before using their results.
 
     Buckets in the node-aware modes go through :attr:`node`, the
     :class:`~horovod_aq.torch.node_exchange.NodeExchange` that
@@ -259,14 +271,14 @@ class Wire:
     __slots__ = (
         # what it sends with
         "compression", "q", "memory",
-        # where
-        "comm", "ranks", "rank", "stream_rank", "deadline", "node",
+        # where and how
+        "comm", "ranks", "rank", "stream_rank", "deadline", "node", "defer",
         # what it tells
         "tap", "seconds", "sent",
     )
 
     def __init__(self, compression: Any, comm: Collectives, *, stream_rank: int,
-                 deadline: Deadline = FOREVER) -> None:
+                 deadline: Deadline = FOREVER, defer: bool = False) -> None:
         self.compression = compression
         self.q = compression.quantizer
         self.memory = compression.error_memory
@@ -274,6 +286,7 @@ class Wire:
         self.ranks, self.rank = comm.size, comm.rank
         self.stream_rank = stream_rank
         self.deadline = deadline
+        self.defer = bool(defer)
         #: ``tap(bucket, part, values, payload)`` for every payload encoded (None: no tap).
         self.tap: Callable[[Bucket, int, torch.Tensor, torch.Tensor], Any] | None = None
         #: Seconds spent encoding, decoding and waiting since :meth:`take_seconds`.
@@ -337,7 +350,11 @@ class Wire:
                           markers=lambda bad: self._markers(bucket, bad, raw.device),
                           encode_compensated=(lambda g: compensated.encode_compensated(
                               self, bucket, g)) if fused else None,
-                          recording=lambda: q.recording)
+                          recording=lambda: q.recording,
+                          decide=(lambda x, sent: self._decide(bucket, x, sent, size=(
+                              bucket.numel if bucket.mode == "allgather" else chunk_numel(
+                                  bucket.numel, P, q.bucket_size))))
+                          if self._decides_on_device(bucket, raw) else None)
         update = None if self.memory is None else (
             lambda g, sent: self._update_memory(bucket, g, sent))
         payloads = send_bucket(raw, steps, update)
@@ -365,6 +382,28 @@ class Wire:
         trailer = bucket.mask_bytes if stage == "ag" else 0
         bucket.pending = self.comm.allgather(
             payload, name, then, delimit=lambda flat, count: payload_sizes(flat, count, trailer))
+
+    def _decides_on_device(self, bucket: Bucket, x: torch.Tensor, *,
+                           first_phase: bool = True) -> bool:
+        """Whether the send of x chooses between payloads and markers on the device, after its
+        encode (``packed.send``, "Decided after the encode"): Triton's kernels (whose encode
+        skips the host check), fixed-width codes, no checksums; a first-phase send also without
+        error memory (fused or not, it decides on the host) and while nothing is recorded."""
+        q = self.q
+        return (not bucket.variable and not q.checksum and x.dtype == torch.float32
+                and kernels.implementation_for(x.device) == "triton"
+                and (not first_phase or (self.memory is None and not q.recording)))
+
+    def _decide(self, bucket: Bucket, x: torch.Tensor, payloads: list[torch.Tensor], *,
+                size: int, offset: int = 0) -> list[torch.Tensor]:
+        """The payloads of x (each of ``size`` coordinates, whole buckets in order), or markers
+        of their size naming element ``offset`` + x's first bad one, chosen on the device
+        (``torch.markers``)."""
+        q = self.q
+        norms = torch.cat([markers.payload_norms(p, size, q.bucket_size) for p in payloads])
+        bad = markers.first_bad(x, norms, q.bucket_size)
+        return [markers.marker_or(p, bad, offset=offset, numel=size, table=bucket.table,
+                                  bucket_size=q.bucket_size, norm=q.norm) for p in payloads]
 
     def _update_memory(self, bucket: Bucket, raw: torch.Tensor,
                        sent: list[torch.Tensor]) -> None:
@@ -466,13 +505,14 @@ class Wire:
         """[P, size] rows (fixed coding) or a list of P rows (entropy coding)."""
         return received.row_list() if bucket.variable else received.rows()
 
-    def _flagged(self, bucket: Bucket, rows: Rows, numel: int, *,
-                 average: bool = True) -> torch.Tensor | None:
-        """The decode of fixed-coded ``rows`` when they are plain payloads: no marker, no
-        joined rank, no checksum, every presence bit set, every header what this rank's encode
-        writes, every norm and code valid (``kernels.decode_flagged``), decided by one device
-        flag and so one host synchronisation; None otherwise, and the caller takes the checked
-        path, which decides and raises as the oracle (docs/protocol.md §5.8)."""
+    def _plain(self, bucket: Bucket, rows: Rows, numel: int, *,
+               average: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decode of fixed-coded ``rows`` and one device flag, read nowhere here: True when
+        they are plain payloads (no marker, no joined rank, no checksum, every presence bit set,
+        every header what this rank's encode writes, every norm and code valid:
+        ``kernels.decode_flagged``); None where only the checked path decides. When the flag is
+        False the decode is not the result: the checked path decides, skips or raises as the
+        oracle (docs/protocol.md §5.8)."""
         if isinstance(rows, list):
             return None
         k = bucket.mask_bytes if average else 0   # re-encoded chunks carry no mask
@@ -484,7 +524,7 @@ class Wire:
         values, ok = got
         if k:
             ok = ok & (rows[:, -k:] == self._full_mask(bucket, rows.device)).all()
-        return values if bool(ok) else None   # the one synchronisation
+        return values, ok
 
     @staticmethod
     def _full_mask(bucket: Bucket, device: torch.device) -> torch.Tensor:
@@ -540,7 +580,8 @@ class Wire:
         rows = self._rows(bucket, received)
         m = chunk_numel(bucket.numel, P, q.bucket_size)
         started = time.perf_counter()
-        chunk = self._flagged(bucket, rows, m)
+        got = self._plain(bucket, rows, m)
+        chunk = got[0] if got is not None and bool(got[1]) else None   # one synchronisation
         if chunk is None:
             if self._outcome(bucket, rows, collective) == SKIP:
                 return
@@ -548,41 +589,92 @@ class Wire:
         self.seconds["decode"] += time.perf_counter() - started
         for lo, hi in chunk_zero_spans(bucket.numel, m, self.rank, bucket.spans(bucket.gone)):
             chunk[lo:hi] = 0.0
-        payload = reencode_chunk(
-            chunk, self.rank, m, encode=lambda c: self._encode(bucket, c, reencode_part(P)),
-            first_bad=lambda c: self._first_bad(c, c),
-            marker=lambda bad: self._markers(bucket, bad, chunk.device, mode="allgather",
-                                             numel=m)[0])
+        if self._decides_on_device(bucket, chunk, first_phase=False):
+            payload = self._decide(bucket, chunk, [self._encode(
+                bucket, chunk, reencode_part(P), checked=True)], size=m, offset=self.rank * m)[0]
+        else:
+            payload = reencode_chunk(
+                chunk, self.rank, m, encode=lambda c: self._encode(bucket, c, reencode_part(P)),
+                first_bad=lambda c: self._first_bad(c, c),
+                marker=lambda bad: self._markers(bucket, bad, chunk.device, mode="allgather",
+                                                 numel=m)[0])
         self._count(0, sent_bytes("allgather", [payload.numel()], self.rank, P)[1])
         self._allgather(bucket, payload, "ag2")
 
     # ------------------------------------------------------------------ 3. the allgathers
     def _gathered(self, bucket: Bucket, received: Received) -> None:
-        """The allgather's rows arrived: decide and decode (stage 3)."""
-        q, collective = self.q, names.allgather_name(bucket.name)
+        """The allgather's rows arrived: decide and decode (stage 3). Plain rows are decoded
+        on the device and decided by their flag: at once, or at :meth:`settle` (``defer``)."""
         rows = self._rows(bucket, received)
         started = time.perf_counter()
-        if bucket.stage == "ag":
-            result = self._flagged(bucket, rows, bucket.numel)
-            if result is None:
-                if self._outcome(bucket, rows, collective) == SKIP:
-                    return
-                result = self._decode_average(bucket, self._unmask(bucket, rows), bucket.numel)
+        average = bucket.stage == "ag"
+        got = self._plain(bucket, rows, self._final_numel(bucket, average), average=average)
+        if got is not None and self.defer:
+            result, bucket.unsettled = got[0], (got[1], rows, average)
+        elif got is not None and bool(got[1]):   # one synchronisation
+            result = got[0]
         else:
-            m = chunk_numel(bucket.numel, self.ranks, q.bucket_size)
-            result = self._flagged(bucket, rows, m, average=False)
-            if result is None:
-                if self._outcome(bucket, rows, collective) == SKIP:   # a chunk's marker
-                    return
-                kw = {"numel": m, "bucket_size": q.bucket_size, "norm": q.norm}
-                result = (entropy.decode_each(rows, bucket.table, **kw) if bucket.variable
-                          else torch.cat([kernels.decode(row, bucket.table, **kw)
-                                          for row in rows]))
-            result = result[:bucket.numel]
-        for offset, numel in bucket.spans(bucket.gone):   # exact zeros where no rank had one
-            result[offset:offset + numel] = 0.0
+            result = self._checked(bucket, rows, average)
+            if result is None:   # skipped
+                return
+        self._deliver(bucket, result, average)
         self.seconds["decode"] += time.perf_counter() - started
+
+    def _final_numel(self, bucket: Bucket, average: bool) -> int:
+        """Coordinates of one final row: the bucket's (averaged payloads) or a chunk's."""
+        return bucket.numel if average else chunk_numel(bucket.numel, self.ranks,
+                                                        self.q.bucket_size)
+
+    def _checked(self, bucket: Bucket, rows: Rows, average: bool) -> torch.Tensor | None:
+        """The final rows decided by ``packed.receive`` and decoded by the checked decoders:
+        the average of the payloads, or the averaged chunks concatenated; None when the bucket
+        is skipped (its result is NaN). Raises what the rows call for."""
+        collective = names.allgather_name(bucket.name)
+        if self._outcome(bucket, rows, collective) == SKIP:   # a marker (a chunk's, too)
+            return None
+        numel = self._final_numel(bucket, average)
+        if average:
+            return self._decode_average(bucket, self._unmask(bucket, rows), numel)
+        kw = {"numel": numel, "bucket_size": self.q.bucket_size, "norm": self.q.norm}
+        return (entropy.decode_each(rows, bucket.table, **kw) if bucket.variable
+                else torch.cat([kernels.decode(row, bucket.table, **kw) for row in rows]))
+
+    @staticmethod
+    def _deliver(bucket: Bucket, result: torch.Tensor, average: bool) -> None:
+        """The bucket's result: the decoded rows without the two-phase padding, exact zeros
+        where no rank had a gradient."""
+        if not average:
+            result = result[:bucket.numel]
+        for offset, numel in bucket.spans(bucket.gone):
+            result[offset:offset + numel] = 0.0
         bucket.result, bucket.stage = result, "done"
+
+    def settle(self, buckets: Sequence[Bucket]) -> list[tuple[Bucket, BaseException]]:
+        """Decide the final decodes that ``defer`` left unread, for every bucket given: their
+        device flags reach the host in one copy (the step's one synchronisation of the
+        receives). A bucket whose flag is False takes the checked path (``packed.receive``):
+        its result is replaced, it is skipped, or its error is returned beside it, in the order
+        given (every rank meets the same). Call it once every bucket finished, before using any
+        result; a bucket with nothing to settle costs nothing."""
+        held = [b for b in buckets if b.unsettled is not None]
+        if not held:
+            return []
+        started = time.perf_counter()
+        flags = torch.stack([b.unsettled[0] for b in held]).cpu().tolist()   # the one copy
+        failed: list[tuple[Bucket, BaseException]] = []
+        for bucket, ok in zip(held, flags):
+            (_, rows, average), bucket.unsettled = bucket.unsettled, None
+            if ok:
+                continue
+            try:
+                result = self._checked(bucket, rows, average)
+            except Exception as exc:  # noqa: BLE001 - the caller raises it at the step's end
+                failed.append((bucket, exc))
+                continue
+            if result is not None:
+                self._deliver(bucket, result, average)
+        self.seconds["decode"] += time.perf_counter() - started
+        return failed
 
     def _outcome(self, bucket: Bucket, rows: Rows, collective: str) -> str:
         """``packed.receive`` on the rows' headers; a skipped bucket's result is NaN."""
@@ -605,7 +697,8 @@ class Wire:
 
     def finish(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's averaged float32 gradient: advances and waits as needed, raises what a
-        callback kept. Idempotent once done."""
+        callback kept. Idempotent once done. With ``defer`` it stands only once :meth:`settle`
+        returned (read ``bucket.result`` then)."""
         node = self._node(bucket)
         if node is not None:
             return node.finish(bucket)

@@ -1,0 +1,65 @@
+"""Non-finite markers decided on the device: ``packed.send`` step 2 for a send without error
+memory, and the payloads replaced by markers where it finds an element, with no host read
+(docs/protocol.md §4; the host's version is ``packed.send.first_bad_element``).
+
+For x, the n coordinates of a bucket or of a two-phase averaged chunk (g itself: no memory),
+encoded as if it could travel, with ν_k the bucket norms its payloads hold (float32, bucket
+order)::
+
+    f   = min{i : x_i not finite}                  (n if none)
+    j   = min{k : ν_k not finite}                  (K if none)
+    bad = f  if f < n,   else  j·B  if j < K,   else  −1
+
+A bucket of finite values has an unsendable norm exactly where its float32 norm is ±inf
+(``packed.protocol.first_unsendable``), and every decoder refuses a payload of non-finite x, so
+where bad ≥ 0 each payload is replaced by ``codec.nonfinite_payload`` of its size naming
+o + bad (o: where x starts in the bucket), the index clipped as ``packed.marker.marker_index``:
+its header (cached on the device, the index written there), zeros elsewhere. Where bad = −1 the
+payloads are unchanged. Bitwise the host's markers (``tests/test_torch_markers.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from horovod_aq import codec
+from horovod_aq.codec import HEADER_SIZE, MARKER_INDEX_OFFSET
+from horovod_aq.levels.table import LevelTable
+from horovod_aq.packed.marker import MAX_MARKER_INDEX
+from horovod_aq.torch.payload import header_tensor
+
+__all__ = ["first_bad", "marker_or", "payload_norms"]
+
+
+def payload_norms(payload: torch.Tensor, numel: int, bucket_size: int) -> torch.Tensor:
+    """ν_k of a fixed-width payload of ``numel`` coordinates: a float32 view, no copy."""
+    count = codec.num_buckets(numel, bucket_size)
+    return payload[HEADER_SIZE:HEADER_SIZE + codec.NORM_BYTES * count].view(torch.float32)
+
+
+def first_bad(x: torch.Tensor, norms: torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """bad (module docstring): a 0-dim int64 tensor on x's device, −1 where x can travel."""
+    if not x.numel():
+        return torch.full((), -1, dtype=torch.int64, device=x.device)
+    finite = torch.isfinite(x)
+    f = finite.view(torch.uint8).argmin()             # the first False (0 where all are True)
+    unsendable = ~torch.isfinite(norms)
+    j = unsendable.view(torch.uint8).argmax()         # the first True (0 where none is)
+    minus_one = torch.full((), -1, dtype=torch.int64, device=x.device)
+    return torch.where(~finite[f], f, torch.where(unsendable[j], j * bucket_size, minus_one))
+
+
+def marker_or(payload: torch.Tensor, bad: torch.Tensor, *, offset: int = 0, numel: int,
+              table: LevelTable, bucket_size: int, norm: str) -> torch.Tensor:
+    """``payload`` (``numel`` coordinates) where bad < 0, else the marker of its size naming
+    element ``offset`` + bad (module docstring); a new tensor, nothing read on the host."""
+    refused = bad >= 0
+    index = (bad + offset).clamp(0, MAX_MARKER_INDEX)
+    shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=payload.device)
+    field = ((index >> shifts) & 0xFF).to(torch.uint8)   # 4 bytes, little-endian
+    head = header_tensor(numel, table, bucket_size, norm, payload.device, marker=True).clone()
+    head[MARKER_INDEX_OFFSET:MARKER_INDEX_OFFSET + 4] = field
+    out = torch.where(refused, torch.zeros((), dtype=torch.uint8, device=payload.device),
+                      payload)
+    out[:HEADER_SIZE] = torch.where(refused, head, payload[:HEADER_SIZE])
+    return out
