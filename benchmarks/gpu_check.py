@@ -100,7 +100,8 @@ APPROXIMATE = (r"div\.(approx|full)", r"rcp\.approx", r"sqrt\.approx", r"\.ftz\b
                r"\bmad\.[a-z.]*f(32|64)", r"\b(add|sub|mul)\.f(32|64)\b")
 _COMPENSATED_PTRS = {"g_ptr": "*fp32", "h_ptr": "*fp32", "norms_ptr": "*fp32",
                      "lev_ptr": "*fp32", "gap_ptr": "*fp32", "codes_ptr": "*u8",
-                     "out_ptr": "*fp32", "sq_ptr": "*fp64", "status_ptr": "*i32"}
+                     "out_ptr": "*fp32", "sq_ptr": "*fp64", "status_ptr": "*i32",
+                     "first_ptr": "*i64"}
 #: (kernel, pointer types, constexprs, instructions required)
 PTX_CASES = [
     ("_encode_kernel", {"x_ptr": "*fp32", "norms_ptr": "*fp32", "lev_ptr": "*fp32",
@@ -126,13 +127,13 @@ PTX_CASES = [
      ("add.rn.f64", "sqrt.rn.f64")),
     ("_compensated_kernel", _COMPENSATED_PTRS,
      {"BITS": 3, "GROUPS": tk.ENCODE_GROUPS, "ROWS": 4, "W": 256, "LOG_W": 8, "LOCAL": True,
-      "L2": True, "HAS_H": True, "POW2_BUCKET": True, "WIDE": False},
+      "L2": True, "HAS_H": True, "POW2_BUCKET": True, "WIDE": False, "NEVER": 2**62},
      ("div.rn.f32", "mul.rn.f32", "add.rn.f32", "sub.rn.f32", "mul.rn.f64", "add.rn.f64",
       "sqrt.rn.f64", "atom.global")),
     ("_compensated_kernel", _COMPENSATED_PTRS,
      {"BITS": 8, "GROUPS": tk.ENCODE_GROUPS, "ROWS": 1, "W": 8 * tk.ENCODE_GROUPS,
       "LOG_W": 10, "LOCAL": False, "L2": False, "HAS_H": False, "POW2_BUCKET": False,
-      "WIDE": True},
+      "WIDE": True, "NEVER": 2**62},
      ("div.rn.f32", "mul.rn.f32", "sub.rn.f32", "atom.global")),
     ("_partial_kernel", {"src_ptr": "*fp32", "dst_ptr": "*fp64"},
      {"M": 256, "LOG_M": 8, "KT": tk.NORM_BLOCK // 256, "L2": True, "FROM_INPUT": True,
@@ -165,7 +166,8 @@ def ptx_rows(arch: int, only: str | None = None) -> list[list[object]]:
         present = sorted({m.group(0) for pattern in APPROXIMATE
                           for m in re.finditer(pattern, ptx)})
         ok = not missing and not present
-        variant = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k not in ("GROUPS",))
+        variant = ", ".join(f"{k}={v}" for k, v in constexprs.items()
+                            if k not in ("GROUPS", "NEVER"))
         rows.append([name, f"{ptrs[next(iter(ptrs))][1:]}; {variant}",
                      ", ".join(f"{i} ×{ptx.count(i)}" for i in required),
                      ", ".join(present) or "none", "ok" if ok else

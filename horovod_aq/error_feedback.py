@@ -166,6 +166,33 @@ class ErrorMemory:
         if count % CHECK_EVERY == 0 and not self._warned_divergence:
             self._check_divergence(key, new, x, backend, sum_of_squares)
 
+    def swap_in(self, key: str, new: Any) -> Any:
+        """Make ``new`` = h' the memory of ``key`` before anyone knows whether its bucket
+        travelled (a GPU send that decides on the device, docs/dynamic.md §2.6); returns the
+        memory it replaced (None at first use), which :meth:`settle_swap` needs."""
+        old = self.memory.get(key)
+        self.memory[key] = new
+        self._squares.pop(key, None)
+        return old
+
+    def settle_swap(self, key: str, new: Any, old: Any, x: Any, *, travelled: bool,
+                    finite: bool, sum_of_squares: float | None) -> None:
+        """The outcome of :meth:`swap_in`, read at the step's end: where the bucket did not
+        travel the memory is ``old`` again (h unchanged; ``new`` becomes the spare), where it
+        did :meth:`install` applies its rules to ``new`` (a non-finite h' reset, ‖h'‖², the
+        divergence check). Nothing happens where the memory changed meanwhile (a reset)."""
+        if self.memory.get(key) is not new:
+            return
+        if old is None:
+            del self.memory[key]
+        else:
+            self.memory[key] = old
+        if not travelled:
+            if old is not None:
+                self._spare[key] = new
+            return
+        self.install(key, new, x, finite=finite, sum_of_squares=sum_of_squares, recycle=True)
+
     def spare(self, key: str, like: Any) -> Any:
         """A buffer of ``like``'s shape to write the next memory of ``key`` into, or None: the
         memory that :meth:`install` replaced last with ``recycle`` (double buffering: a fused

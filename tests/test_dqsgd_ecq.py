@@ -185,6 +185,35 @@ def test_ecq_install_keeps_the_replaced_memory_as_the_next_output_buffer():
     assert mem.spare("k", like) is None
 
 
+def test_ecq_a_swapped_in_memory_is_kept_or_given_back_when_settled(caplog):
+    # a GPU send decides at the step's end: h' is the memory at once (swap_in); settle_swap
+    # keeps it with install's rules where the bucket travelled, gives h back where it did not
+    mem = ErrorMemory()
+    like = np.zeros(3, np.float32)
+    h, h1 = np.ones(3, np.float32), np.full(3, 2.0, np.float32)
+    assert mem.swap_in("k", h) is None                                 # first use
+    assert mem.memory["k"] is h
+    mem.settle_swap("k", h, None, like, travelled=False, finite=True, sum_of_squares=None)
+    assert "k" not in mem.memory and mem.spare("k", like) is None      # refused: no memory
+    mem.install("k", h, like, finite=True, recycle=True)
+    old = mem.swap_in("k", h1)
+    assert old is h and mem.memory["k"] is h1
+    mem.settle_swap("k", h1, old, like, travelled=False, finite=True, sum_of_squares=12.0)
+    assert mem.memory["k"] is h and mem.spare("k", like) is h1         # h back, h' spare
+    old = mem.swap_in("k", h1)
+    mem.settle_swap("k", h1, old, like, travelled=True, finite=True, sum_of_squares=12.0)
+    assert mem.memory["k"] is h1 and mem.spare("k", like) is h and mem.memory_norm() == 12**0.5
+    bad = np.array([np.inf, 0.0, 1.0], np.float32)
+    old = mem.swap_in("k", bad)
+    with caplog.at_level("WARNING"):
+        mem.settle_swap("k", bad, old, like, travelled=True, finite=False, sum_of_squares=None)
+    assert mem.memory["k"].tolist() == [0.0] * 3 and "became non-finite" in caplog.text
+    old = mem.swap_in("k", h)
+    mem.reset()                                                         # changed meanwhile
+    mem.settle_swap("k", h, old, like, travelled=False, finite=True, sum_of_squares=None)
+    assert "k" not in mem.memory
+
+
 def test_ecq_memory_norm_reads_what_install_was_told():
     # telemetry's ‖h‖ every step: the fused kernel's ‖h'‖², else the memory is read
     mem = ErrorMemory()

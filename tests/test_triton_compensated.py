@@ -301,19 +301,27 @@ def test_fusable_takes_the_triton_implementation(monkeypatch):
 
 
 @interpreter_only
-@pytest.mark.parametrize("mode, P, coding", [("allgather", 2, "fixed"),
-                                             ("two_phase", 2, "entropy")])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the NaN
+@pytest.mark.parametrize("mode, P, coding, defer", [("allgather", 2, "fixed", False),
+                                                    ("two_phase", 2, "entropy", False),
+                                                    ("allgather", 2, "fixed", True),
+                                                    ("two_phase", 3, "fixed", True)])
 def test_the_wire_with_the_triton_pass_is_bitwise_the_unfused_steps(monkeypatch, mode, P,
-                                                                    coding):
+                                                                    coding, defer):
     # the torch wire's fused error feedback through Triton (CPU tensors under the interpreter
     # stand in for CUDA ones): results, memories, ‖h‖, statistics, taps and byte counts of three
-    # steps are the unfused steps', and a NaN sends markers and leaves that rank's memory
+    # steps are the unfused steps', and a NaN sends markers and leaves that rank's memory. With
+    # a deferring wire, steps 1 and 2 (nothing recorded) keep each send's outcome on the device
+    # until Wire.settle (markers chosen there, h' swapped in, h given back where refused)
     from tests import test_torch_wire as wire_tests
 
     monkeypatch.setattr(kernels, "implementation_for", lambda device: "triton")
-    calls = []
+    calls, held = [], []
     parts = compensated._triton_parts
     monkeypatch.setattr(compensated, "_triton_parts", lambda *a: calls.append(1) or parts(*a))
+    hold = wire_tests.wire_mod.Wire.hold_send
+    monkeypatch.setattr(wire_tests.wire_mod.Wire, "hold_send",
+                        lambda self, *a: held.append(a[0]) or hold(self, *a))
     grads = [wire_tests._grads(P, seed=s, numels=wire_tests.BIG) for s in range(3)]
     grads[1][0][100:300] = 0.0
     grads[1][1][5:9] = -0.0
@@ -323,12 +331,73 @@ def test_the_wire_with_the_triton_pass_is_bitwise_the_unfused_steps(monkeypatch,
         return horovod_aq.ErrorFeedback(horovod_aq.ALQ(
             bits=3, bucket_size=wire_tests.B, seed=wire_tests.SEED, nonfinite="skip"),
             alpha=0.5103, beta=0.9)
-    fused = wire_tests._ef_steps(monkeypatch, True, mode, P, coding, grads, factory=factory)
+    fused = wire_tests._ef_steps(monkeypatch, True, mode, P, coding, grads, factory=factory,
+                                 defer=defer)
     assert calls
-    unfused = wire_tests._ef_steps(monkeypatch, False, mode, P, coding, grads, factory=factory)
+    assert len(held) == (2 * P if defer else 0)
+    unfused = wire_tests._ef_steps(monkeypatch, False, mode, P, coding, grads, factory=factory,
+                                   defer=defer)
+    if defer:   # the tap also saw the payload that rank 1's marker replaced at step 2
+        del fused[2]["tapped"][1]
     wire_tests._assert_same_steps(fused, unfused)
     assert all(np.isnan(r).all() for r in fused[2]["results"])
     wire_tests._same_bits(fused[2]["memory"][1], fused[1]["memory"][1])
+
+
+#: (first, last + 1) of g → value; where h is 3e38 (x = g + α·h overflows there, g finite).
+FIRST_BAD = {
+    "none": ([], None),
+    "nan in g, late": ([((150, 151), np.nan)], None),
+    "inf in x before a nan in g": ([((170, 171), np.nan)], (40, 41)),
+    "x overflows mid-bucket": ([], (37, 38)),
+    "a bucket's norm overflows": ([((64, 96), 2e38)], None),
+    "inf in g of the last chunk": ([((199, 200), -np.inf)], None),
+}
+
+
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+@pytest.mark.parametrize("case", list(FIRST_BAD))
+@pytest.mark.parametrize("parts", [1, 3])
+def test_the_send_finds_the_first_bad_element_on_the_device(case, parts):
+    # Send.first_bad (the kernel's atomic minima of g and x, then the payloads' norms) is
+    # packed.send step 2 on the host for g and x = g + α·h, over one part or three chunks
+    from horovod_aq.packed.send import first_bad_element
+
+    B, n = 16, 200
+    g, h = gradient(n, seed=5), gradient(n, seed=6, scale=0.3)
+    g_at, h_at = FIRST_BAD[case]
+    for (lo, hi), value in g_at:
+        g[lo:hi] = value
+    if h_at is not None:
+        h[h_at[0]:h_at[1]] = 3e38
+        g[h_at[0]:h_at[1]] = 3e38
+    alpha = np.float32(ALPHA)
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = (g + alpha * h).astype(np.float32)
+    m = n if parts == 1 else 80   # three chunks of five buckets, the last one padded
+    sizes = [m] * parts
+    send = tc.Send(LevelTable(uniform(3)), bucket_size=B, norm="l2", alpha=ALPHA, beta=BETA,
+                   sizes=sizes, device=DEVICE)
+    gt, ht = on_device(g), on_device(h)
+    out = torch.empty_like(gt)
+    payloads = [send.encode(gt[k * m:min(n, (k + 1) * m)], ht[k * m:min(n, (k + 1) * m)],
+                            out[k * m:min(n, (k + 1) * m)], KEY) for k in range(parts)]
+
+    def first_nonfinite(v):
+        bad = ~np.isfinite(v)
+        return int(np.argmax(bad)) if bad.any() else None
+
+    def norms(v):
+        with np.errstate(over="ignore"):
+            return np.sqrt(np.square(np.concatenate(
+                [v, np.zeros(-v.size % B, np.float32)]).astype(np.float64).reshape(-1, B)
+                ).sum(axis=1)).astype(np.float32)
+
+    want = first_bad_element(g, x, first_nonfinite=first_nonfinite,
+                             peak=lambda v: float(np.max(np.abs(v))), norms=norms,
+                             bucket_size=B)
+    assert int(send.first_bad(payloads)) == (-1 if want is None else want)
+    assert (send.outcome() is None) == (want is not None)
 
 
 @cuda_only

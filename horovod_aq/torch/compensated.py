@@ -66,17 +66,34 @@ def encode_compensated(wire: Any, bucket: Any, raw: torch.Tensor) -> Fused | Non
     if out is None:
         out = torch.empty_like(g)
     spans = part_spans(bucket.mode, bucket.numel, wire.ranks, wire.q.bucket_size)
+    if _decided_on_device(wire, bucket, g):
+        payloads, sent, install = _triton_on_device(wire, bucket, g, h, out, spans)
+        _tap(wire, bucket, g, payloads)
+        return Fused(sent, install)
     parts = (_triton_parts if kernels.implementation_for(g.device) == "triton"
              else _compiled_parts)
     found = parts(wire, bucket, g, h, out, spans)
     if found is None:
         return None
     payloads, finite, squares = found
-    if wire.tap is not None:
-        for part, x in enumerate(wire.parts(bucket, memory.compensate(bucket.key, g))):
-            wire.tap(bucket, part, x, payloads[part])
+    _tap(wire, bucket, g, payloads)
     return Fused(payloads, lambda: memory.install(bucket.key, out, g, finite=finite,
                                                   sum_of_squares=squares, recycle=True))
+
+
+def _tap(wire: Any, bucket: Any, g: torch.Tensor, payloads: list[torch.Tensor]) -> None:
+    """The wire's tap sees x = g + α·h of every part (h: the memory before this send)."""
+    if wire.tap is not None:
+        for part, x in enumerate(wire.parts(bucket, wire.memory.compensate(bucket.key, g))):
+            wire.tap(bucket, part, x, payloads[part])
+
+
+def _decided_on_device(wire: Any, bucket: Any, g: torch.Tensor) -> bool:
+    """Whether the send's outcome stays on the device until the step's end: Triton, a wire
+    that settles (``Wire.defer``), fixed-width codes without checksums, nothing recorded."""
+    q = wire.q
+    return (wire.defer and kernels.implementation_for(g.device) == "triton"
+            and not bucket.variable and not q.checksum and not q.recording)
 
 
 Parts = tuple[list[torch.Tensor], bool, float]
@@ -133,3 +150,31 @@ def _triton_parts(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | Non
         payloads.append(wire.timed_encode(bucket, part, run))
     found = send.outcome()
     return None if found is None else (payloads, *found)
+
+
+def _triton_on_device(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | None,
+                      out: torch.Tensor, spans: list[tuple[int, int, int]]
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
+    """CUDA, nothing read on the host: every part launched by ``triton_compensated.Send``, the
+    first bad element found on the device (``Send.first_bad``) and each payload replaced by its
+    marker where there is one (``torch.markers``). Returns the payloads, what is sent, and the
+    install: h' becomes the memory at once (``ErrorMemory.swap_in``), and ``Wire.settle``
+    reads the send's outcome at the step's end with the step's other flags, keeping h' or
+    giving h back (``ErrorMemory.settle_swap``)."""
+    from horovod_aq.torch import markers, triton_compensated
+
+    q, memory = wire.q, wire.memory
+    send = triton_compensated.Send(bucket.table, bucket_size=q.bucket_size, norm=q.norm,
+                                   alpha=memory.alpha, beta=memory.beta,
+                                   sizes=[size for _, _, size in spans], device=g.device)
+    payloads = []
+    for part, (lo, hi, _) in enumerate(spans):
+        payloads.append(wire.timed_encode(bucket, part, lambda key, lo=lo, hi=hi: send.encode(
+            g[lo:hi], None if h is None else h[lo:hi], out[lo:hi], key)))
+    bad = send.first_bad(payloads)
+    sent = [markers.marker_or(p, bad, numel=size, table=bucket.table, bucket_size=q.bucket_size,
+                              norm=q.norm) for p, (_, _, size) in zip(payloads, spans)]
+
+    def install() -> None:
+        wire.hold_send(bucket.key, send, out, memory.swap_in(bucket.key, out), g)
+    return payloads, sent, install

@@ -28,7 +28,7 @@ from horovod_aq.levels.table import LevelTable
 from horovod_aq.packed.marker import MAX_MARKER_INDEX
 from horovod_aq.torch.payload import header_tensor
 
-__all__ = ["first_bad", "marker_or", "payload_norms"]
+__all__ = ["first_bad", "first_unsendable", "marker_or", "payload_norms"]
 
 
 def payload_norms(payload: torch.Tensor, numel: int, bucket_size: int) -> torch.Tensor:
@@ -37,16 +37,24 @@ def payload_norms(payload: torch.Tensor, numel: int, bucket_size: int) -> torch.
     return payload[HEADER_SIZE:HEADER_SIZE + codec.NORM_BYTES * count].view(torch.float32)
 
 
+def first_unsendable(norms: torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """j·B for the first bucket whose norm ν_j is not finite, −1 where none: a 0-dim int64
+    tensor on the norms' device."""
+    minus_one = torch.full((), -1, dtype=torch.int64, device=norms.device)
+    if not norms.numel():
+        return minus_one
+    unsendable = ~torch.isfinite(norms)
+    j = unsendable.view(torch.uint8).argmax()         # the first True (0 where none is)
+    return torch.where(unsendable[j], j * bucket_size, minus_one)
+
+
 def first_bad(x: torch.Tensor, norms: torch.Tensor, bucket_size: int) -> torch.Tensor:
     """bad (module docstring): a 0-dim int64 tensor on x's device, −1 where x can travel."""
     if not x.numel():
-        return torch.full((), -1, dtype=torch.int64, device=x.device)
+        return first_unsendable(norms, bucket_size)
     finite = torch.isfinite(x)
     f = finite.view(torch.uint8).argmin()             # the first False (0 where all are True)
-    unsendable = ~torch.isfinite(norms)
-    j = unsendable.view(torch.uint8).argmax()         # the first True (0 where none is)
-    minus_one = torch.full((), -1, dtype=torch.int64, device=x.device)
-    return torch.where(~finite[f], f, torch.where(unsendable[j], j * bucket_size, minus_one))
+    return torch.where(~finite[f], f, first_unsendable(norms, bucket_size))
 
 
 def marker_or(payload: torch.Tensor, bad: torch.Tensor, *, offset: int = 0, numel: int,

@@ -183,6 +183,8 @@ class _PackedOptimizer(torch.optim.Optimizer):
         self._aq_world = world
         self._aq_ranks, self._aq_per_node = world.size, world.per_node
         tap = self._aq_wire.tap if self._aq_wire is not None else None
+        if self._aq_wire is not None:
+            self._aq_wire.settle([])   # the old wire's held sends keep or give back their memory
         #: The engine (None on the pass-through): the global rank keys the random stream.
         self._aq_wire = None if self._aq_passthrough else build_wire(
             self._aq, HorovodCollectives(self.process_set), stream_rank=world.global_rank,

@@ -78,16 +78,17 @@ def _pairwise_rows(q, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
 
 
 def _compensated_kernel(g_ptr, h_ptr, norms_ptr, lev_ptr, gap_ptr, codes_ptr, out_ptr, sq_ptr,
-                        status_ptr, n, n_g, bucket_size, log_bucket, num_buckets, nlev, nbytes,
-                        alpha, beta, k0, k1, c1, c2, c3,
+                        status_ptr, first_ptr, base, n, n_g, bucket_size, log_bucket,
+                        num_buckets, nlev, nbytes, alpha, beta, k0, k1, c1, c2, c3,
                         BITS: tl.constexpr, GROUPS: tl.constexpr, ROWS: tl.constexpr,
                         W: tl.constexpr, LOG_W: tl.constexpr, LOCAL: tl.constexpr,
                         L2: tl.constexpr, HAS_H: tl.constexpr, POW2_BUCKET: tl.constexpr,
-                        WIDE: tl.constexpr):
+                        WIDE: tl.constexpr, NEVER: tl.constexpr):
     """x = g + α·h, its codes (packed) and h' = β·h + (g − n_k·L_code) of 8·GROUPS coordinates
     (module docstring). LOCAL: the program holds ROWS whole buckets of W coordinates and writes
     their norms and S_k; otherwise it reads the norms. status[0], status[1] ← 1 where a norm,
-    an h'_i is not finite."""
+    an h'_i is not finite; first[0], first[1] ← the least base + i of a g_i, an x_i not finite
+    (atomic minima: ``packed.send`` step 2's elements, bucket order)."""
     pid = tl.program_id(0)
     if WIDE:
         pid = pid.to(tl.int64)
@@ -103,6 +104,11 @@ def _compensated_kernel(g_ptr, h_ptr, norms_ptr, lev_ptr, gap_ptr, codes_ptr, ou
         x = g + alpha * h
     else:
         x = g
+    at = base + i.to(tl.int64)
+    g_at = tl.min(tl.where(real & ~(tl.abs(g) < float("inf")), at, NEVER))
+    tl.atomic_min(first_ptr, g_at, mask=g_at < NEVER)
+    x_at = tl.min(tl.where(real & ~(tl.abs(x) < float("inf")), at, NEVER))
+    tl.atomic_min(first_ptr + 1, x_at, mask=x_at < NEVER)
     if LOCAL:
         rows = pid * ROWS + tl.arange(0, ROWS)
         xr = tl.reshape(x, (ROWS, W))
@@ -136,8 +142,11 @@ def _compensated_kernel(g_ptr, h_ptr, norms_ptr, lev_ptr, gap_ptr, codes_ptr, ou
         tl.store(sq_ptr + rows, _pairwise_rows(q * q, ROWS, W, LOG_W), mask=held)
 
 
+#: What ``first`` holds where no element is bad (above every element index).
+NEVER = 2**62
+
 #: Runtime scalars that must not be specialized (one compiled variant per set of constexprs).
-_NO_SPECIALIZE = ["n", "n_g", "bucket_size", "log_bucket", "num_buckets", "nlev", "nbytes",
+_NO_SPECIALIZE = ["base", "n", "n_g", "bucket_size", "log_bucket", "num_buckets", "nlev", "nbytes",
                   "k0", "k1", "c1", "c2", "c3"]
 
 
@@ -211,10 +220,14 @@ class Send:
         total = sum(self.buckets)
         with tk._prepare_device(device):
             self._levels = tk._levels(self.table, device)
-            #: S_k of every part's buckets, then two int32 flags (bad norm, h' not finite).
-            self._result = torch.empty(total + 1, dtype=torch.float64, device=device)
-            self._result[total:].zero_()
-        self._status = self._result[total:].view(torch.int32)
+            #: S_k of every part's buckets, two int32 flags (bad norm, h' not finite), then the
+            #: first bad g_i and x_i of the bucket (int64, ``NEVER`` where none): one buffer,
+            #: copied to the host at once (:meth:`outcome`, or with others: :attr:`result`).
+            self._result = torch.empty(total + 3, dtype=torch.float64, device=device)
+            self._result[total:total + 1].zero_()
+            self._first = self._result[total + 1:].view(torch.int64)
+            self._first.fill_(NEVER)
+        self._status = self._result[total:total + 1].view(torch.int32)
         self._parts = 0
 
     def encode(self, g: torch.Tensor, h: torch.Tensor | None, out: torch.Tensor,
@@ -264,11 +277,13 @@ class Send:
             tab = self._levels
             _kernel()[(-(-n // tile),)](
                 g, g if h is None else h, norms, tab.search, tab.gaps, payload[codes_at:], out,
-                squares, self._status, n, n_g, span, tk._log2(span), nb, tab.num_levels,
+                squares, self._status, self._first, sum(self.sizes[:k]), n, n_g, span,
+                tk._log2(span), nb, tab.num_levels,
                 codec.packed_size(n, bits), self.alpha, self.beta, k0, k1, c1, c2, c3,
                 BITS=bits, GROUPS=tile // 8, ROWS=tile // (width or tile), W=width or tile,
                 LOG_W=tk._log2(width or tile), LOCAL=width is not None, L2=self.norm == "l2",
                 HAS_H=h is not None, POW2_BUCKET=span & (span - 1) == 0, WIDE=tk._wide(n),
+                NEVER=NEVER,
                 num_warps=WARPS_PER_TILE * tile // TILE, enable_fp_fusion=False)
             if width is None:  # S_k of h' (the padding of a chunk holds no h')
                 if n_g == 0:
@@ -281,11 +296,21 @@ class Send:
         """None when a bucket of some part cannot travel; else (whether every h'_i is finite,
         ‖h'‖²: each part's S_k added in bucket order — ``reference.memory_sum_of_squares`` of
         its h' — then the parts' in part order). The send's one device→host copy."""
+        return self.outcome_of(self._result.cpu().numpy())
+
+    @property
+    def result(self) -> torch.Tensor:
+        """The float64 device buffer that :meth:`outcome_of` reads (to copy with others)."""
         if self._parts != len(self.sizes):
             raise RuntimeError(f"{self._parts} of {len(self.sizes)} parts were encoded")
-        host = self._result.cpu().numpy()
-        total = host.size - 1
-        bad, lost = host[total:].view(np.int32)
+        return self._result
+
+    def outcome_of(self, host: np.ndarray) -> tuple[bool, float] | None:
+        """:meth:`outcome` from a host copy of :attr:`result`."""
+        if self._parts != len(self.sizes):
+            raise RuntimeError(f"{self._parts} of {len(self.sizes)} parts were encoded")
+        total = sum(self.buckets)
+        bad, lost = host[total:total + 1].view(np.int32)
         if bad:
             return None
         squares, start = 0.0, 0
@@ -294,6 +319,19 @@ class Send:
                 squares += float(np.cumsum(host[start:start + nb])[-1])
             start += nb
         return not lost, squares
+
+    def first_bad(self, payloads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``packed.send`` step 2 on the device, from this send's atomic minima and the norms
+        in ``payloads`` (its parts' fixed-width payloads): the first NaN/±Inf of g, else of
+        x = g + α·h, else the first element of the first bucket whose norm is not finite; −1
+        where the bucket travels. A 0-dim int64 tensor; nothing is read on the host."""
+        from horovod_aq.torch import markers
+
+        norms = torch.cat([markers.payload_norms(p, n, self.bucket_size)
+                           for p, n in zip(payloads, self.sizes, strict=True)])
+        g_at, x_at = self._first[0], self._first[1]
+        return torch.where(g_at < NEVER, g_at, torch.where(
+            x_at < NEVER, x_at, markers.first_unsendable(norms, self.bucket_size)))
 
 
 def finish(payload: torch.Tensor, table: LevelTable, numel: int, bucket_size: int, *,

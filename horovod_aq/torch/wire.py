@@ -275,6 +275,8 @@ class Wire:
         "comm", "ranks", "rank", "stream_rank", "deadline", "node", "defer",
         # what it tells
         "tap", "seconds", "sent",
+        # sends whose outcome is read at the step's end (settle)
+        "held",
     )
 
     def __init__(self, compression: Any, comm: Collectives, *, stream_rank: int,
@@ -295,6 +297,8 @@ class Wire:
         self.sent = dict.fromkeys(SENT, 0)
         #: The node-aware stages (``node_exchange.NodeExchange``; None without a topology).
         self.node: Any = None
+        #: Sends whose outcome the device keeps until :meth:`settle` (:meth:`hold_send`).
+        self.held: list[tuple[str, Any, torch.Tensor, Any, torch.Tensor]] = []
 
     @property
     def per_node(self) -> int:
@@ -340,6 +344,8 @@ class Wire:
         if node is not None:
             return node.submit(bucket, raw, present)
         q, P = self.q, self.ranks
+        if any(key == bucket.key for key, *_ in self.held):   # a step that was never settled
+            self.settle([])
         bucket.table, bucket.step = q.table, q.step
         fused = compensated.fusable(self, raw)   # error feedback fused into the encoder
         steps = SendSteps(compensate=lambda g: g if self.memory is None else
@@ -649,18 +655,36 @@ class Wire:
             result[offset:offset + numel] = 0.0
         bucket.result, bucket.stage = result, "done"
 
+    def hold_send(self, key: str, send: Any, new: torch.Tensor, old: Any,
+                  raw: torch.Tensor) -> None:
+        """A send with error feedback whose outcome stays on the device (``torch.compensated``):
+        ``send`` (a ``triton_compensated.Send``) wrote h' = ``new``, already the memory of
+        ``key`` in place of ``old``, for the raw gradient ``raw``. :meth:`settle` reads its
+        outcome and keeps h' or gives h back (``ErrorMemory.settle_swap``)."""
+        self.held.append((key, send, new, old, raw))
+
     def settle(self, buckets: Sequence[Bucket]) -> list[tuple[Bucket, BaseException]]:
-        """Decide the final decodes that ``defer`` left unread, for every bucket given: their
-        device flags reach the host in one copy (the step's one synchronisation of the
-        receives). A bucket whose flag is False takes the checked path (``packed.receive``):
-        its result is replaced, it is skipped, or its error is returned beside it, in the order
-        given (every rank meets the same). Call it once every bucket finished, before using any
-        result; a bucket with nothing to settle costs nothing."""
+        """What ``defer`` left on the device, read in one copy (the step's one synchronisation):
+        first every held send's outcome (:meth:`hold_send`; all of them, whatever ``buckets``
+        holds), then the final decodes of the buckets given. A bucket whose flag is False takes
+        the checked path (``packed.receive``): its result is replaced, it is skipped, or its
+        error is returned beside it, in the order given (every rank meets the same). Call it
+        once every bucket finished, before using any result; nothing held costs nothing."""
         held = [b for b in buckets if b.unsettled is not None]
-        if not held:
+        sends, self.held = self.held, []
+        if not held and not sends:
             return []
         started = time.perf_counter()
-        flags = torch.stack([b.unsettled[0] for b in held]).cpu().tolist()   # the one copy
+        host = torch.cat([b.unsettled[0].reshape(1).to(torch.float64) for b in held]
+                         + [send.result for _, send, *_ in sends]).cpu().numpy()   # one copy
+        at = len(held)
+        for key, send, new, old, raw in sends:
+            outcome = send.outcome_of(host[at:at + send.result.numel()])
+            at += send.result.numel()
+            finite, squares = outcome or (True, None)
+            self.memory.settle_swap(key, new, old, raw, travelled=outcome is not None,
+                                    finite=finite, sum_of_squares=squares)
+        flags = host[:len(held)] != 0
         failed: list[tuple[Bucket, BaseException]] = []
         for bucket, ok in zip(held, flags):
             (_, rows, average), bucket.unsettled = bucket.unsettled, None
