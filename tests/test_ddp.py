@@ -375,6 +375,62 @@ def skip_nonfinite():
             "telemetry": [r.as_dict() for r in state.telemetry.history]}
 
 
+def _one_interpreter_at_a_time():
+    """Triton's interpreter swaps ``triton.language``'s functions while a kernel runs, so two
+    threads must not run kernels at once: Gloo's callbacks decode on their own thread here
+    (compiled kernels on a GPU have no such limit)."""
+    import threading
+
+    from triton.runtime import interpreter
+
+    run, lock = interpreter.GridExecutor.__call__, threading.Lock()
+
+    def serial(self, *args, **kwargs):
+        with lock:
+            return run(self, *args, **kwargs)
+    interpreter.GridExecutor.__call__ = serial
+
+
+def device_decided(exchange="two_phase", steps=3):
+    """QSGD 2-bit with error feedback, nonfinite="skip", a NaN on rank 1 at step 1, trained with
+    CPU's kernels and again with the Triton kernels (in the interpreter), whose sends keep
+    their outcome on the device and whose receives are settled at the step's end
+    (docs/dynamic.md §2.6, docs/protocol.md §5.8): parameters and memories of both (None
+    without Triton)."""
+    import torch.distributed as dist
+
+    from horovod_aq.torch import kernels, triton_kernels
+
+    if not triton_kernels.available():
+        return None
+    _one_interpreter_at_a_time()
+    runs, cpu = {}, kernels.implementation_for
+    for impl in ("fused", "triton"):
+        if impl == "triton":
+            kernels.implementation_for = lambda device: "triton"
+        try:
+            model, net, comp, state, opt = _setup(method="qsgd", bits=2, error_feedback=True,
+                                                  nonfinite="skip", schedule="0",
+                                                  exchange=exchange)
+            bad = dict(model.named_parameters())["2.weight"]
+            nan = dist.get_rank() == 1
+            bad.register_hook(lambda g: g * float("nan") if nan and state.compression.step == 1
+                              else g)
+            skipped = []
+
+            def after(step, state=state, skipped=skipped, opt=opt):
+                skipped.append(state.skipped)
+                if state.skipped:
+                    opt.zero_grad()   # do not let the NaN into the weights
+            _train(net, opt, steps, after=after)
+            runs[impl] = {"skipped": skipped, "params": _params(model),
+                          "memory": {k: v.numpy().copy()
+                                     for k, v in comp.error_memory.memory.items()}}
+        finally:
+            kernels.implementation_for = cpu
+    return runs
+
+
 def mismatch():
     """Rank 1 builds its compressor with other bits: every rank raises the same error."""
     import torch.distributed as dist
@@ -513,6 +569,7 @@ CHECKS = {
         ("quantized_training[fp16]", {"method": "fp16"}),
         ("resume", {"error_feedback": True, "schedule": "0,4,0"}),
         ("skip_nonfinite", {}), ("mismatch", {}), ("raise_nonfinite", {}),
+        ("device_decided", {}),
         ("oracle[entropy]", {"wire": "entropy", "steps": 3}),
         ("oracle[entropy_two_phase]", {"exchange": "two_phase", "wire": "entropy", "steps": 3}),
         ("raise_nonfinite[entropy_two_phase]", {"exchange": "two_phase", "wire": "entropy"}),
@@ -692,6 +749,19 @@ def test_nonfinite_skip_on_every_rank(results):
         assert r["nan_grads"][1:] == [[], []]
         assert all(np.isfinite(p).all() for p in r["params"].values())
         assert r["telemetry"][0]["extra"].get("skipped") == 1.0
+
+
+def test_the_device_decided_exchange_is_bitwise_the_cpu_one(results):
+    ranks = _get(results, "device_decided")
+    if ranks[0] is None:
+        pytest.skip("Triton is not installed: its kernels are untested")
+    for r in ranks:
+        assert r["fused"]["skipped"] == r["triton"]["skipped"] == [False, True, False]
+        for key in ("params", "memory"):
+            cpu, device = r["fused"][key], r["triton"][key]
+            assert cpu.keys() == device.keys() and cpu
+            for name in cpu:
+                assert cpu[name].tobytes() == device[name].tobytes(), (key, name)
 
 
 @pytest.mark.reads("mismatch")
