@@ -230,22 +230,49 @@ def test_a_marker_names_rank_and_parameter_on_every_rank(kernels, defer, mode):
 
 
 @pytest.mark.parametrize("kernels", ["ops", "triton"], indirect=True)
-def test_a_deferred_wire_decides_its_final_rows_when_settled(kernels):
-    """With ``defer`` finish reads no flag: a marker in the allgather (decoded on the device as
-    if plain) is found by ``settle``, which returns its error beside the bucket, once."""
+@pytest.mark.parametrize("mode", ["allgather", "two_phase"])
+def test_a_deferred_wire_decides_its_rows_when_settled(kernels, mode):
+    """With ``defer`` finish reads no flag: a marker (decoded on the device as if plain: in the
+    allgather, or in two-phase's alltoall, whose chunk then goes out as a marker) is found by
+    ``settle``, which returns its error beside the bucket, once."""
     P = 2
-    _, ranks = _ranks(P, "allgather", _qsgd, defer=True)
+    _, ranks = _ranks(P, mode, _qsgd, defer=True)
     grads = _grads(P)
     grads[1][3] = np.inf
     for (comp, wire, bucket), g in zip(ranks, grads):
         wire.submit(bucket, torch.from_numpy(g))
     for comp, wire, bucket in ranks:
-        wire.finish(bucket)                    # no error yet: the flag is unread
-        assert bucket.unsettled is not None
+        wire.advance(bucket)
+    for comp, wire, bucket in ranks:
+        wire.finish(bucket)                    # no error yet: the flags are unread
+        assert (bucket.unsettled if mode == "allgather" else bucket.unsettled_chunks) is not None
         [(failed, exc)] = wire.settle([bucket])
         assert failed is bucket and isinstance(exc, codec.NonFiniteGradientError)
         assert "on rank 1" in str(exc) and "'w'" in str(exc)
-        assert bucket.unsettled is None and wire.settle([bucket]) == []
+        assert bucket.unsettled is None and bucket.unsettled_chunks is None
+        assert wire.settle([bucket]) == []
+
+
+@pytest.mark.parametrize("kernels", ["ops"], indirect=True)
+def test_a_bad_chunk_found_when_settled_stops_every_rank(kernels):
+    """Two-phase with ``defer``: a payload only rank 0 receives is bad (a NaN norm).
+    Rank 0 sends a marker instead of its averaged chunk, so it raises the payload's error and
+    rank 1 the marker's, naming rank 0: no rank goes on with a chunk nobody checked."""
+    P = 2
+    net, ranks = _ranks(P, "two_phase", _qsgd, defer=True)
+    for (comp, wire, bucket), g in zip(ranks, _grads(P)):
+        wire.submit(bucket, torch.from_numpy(g))
+    to_rank0 = net.sent["aq.a2a.t.0.abc"][1][0]
+    to_rank0[codec.HEADER_SIZE:codec.HEADER_SIZE + 4] = torch.tensor([255, 255, 255, 127])
+    for comp, wire, bucket in ranks:
+        wire.advance(bucket)
+    errors = []
+    for comp, wire, bucket in ranks:
+        wire.finish(bucket)
+        [(_, exc)] = wire.settle([bucket])
+        errors.append(exc)
+    assert isinstance(errors[0], codec.PayloadError), errors[0]
+    assert isinstance(errors[1], codec.NonFiniteGradientError) and "on rank 0" in str(errors[1])
 
 
 @pytest.mark.parametrize("nonfinite", ["raise", "skip"])

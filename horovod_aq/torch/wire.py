@@ -28,10 +28,11 @@ Stages of a bucket (``Bucket.stage``)::
    the P averaged chunks concatenated) — in the work's callback under ``torch.distributed``
    (overlapping the backward pass), when collected under Horovod. :meth:`Wire.finish` returns
    the averaged gradient and raises what a callback kept, at the same point on every rank.
-4. With ``defer`` (the optimizer's and the DDP hook's wires), plain final rows are decoded on
-   the device and their flag is left unread: :meth:`Wire.settle`, at the step's end, reads the
-   flags of every bucket in one copy and sends a bucket whose flag is False through the checked
-   path (docs/protocol.md §5.8).
+4. With ``defer`` (the optimizer's and the DDP hook's wires), plain rows are decoded on the
+   device and their flag is left unread — the final rows', and two-phase's alltoall rows of a
+   bucket without a presence mask, whose chunk goes out as a marker where the flag is False:
+   :meth:`Wire.settle`, at the step's end, reads the flags of every bucket in one copy and
+   sends a bucket whose flag is False through the checked path (docs/protocol.md §5.8).
 
 Collectives go out in the order the caller calls :meth:`~Wire.submit` and :meth:`~Wire.advance`
 (``torch.distributed`` pairs them by issue order, so the DDP hook calls both from the hook, in
@@ -194,6 +195,7 @@ class Bucket:
         "plan", "names", "numels", "offsets", "masked", "coding", "key",
         # its exchange in the current step
         "stage", "pending", "table", "result", "skipped", "gone", "step", "unsettled",
+        "unsettled_chunks",
     )
 
     def __init__(self, plan: BucketPlan, names: Sequence[str], numels: Sequence[int], *,
@@ -225,6 +227,9 @@ class Bucket:
         #: A final decode whose device flag is not read yet (``Wire.settle``): (flag, rows,
         #: whether the rows were averaged); None when there is none.
         self.unsettled: tuple[torch.Tensor, Rows, bool] | None = None
+        #: Two-phase's alltoall rows whose device flag is not read yet: (flag, rows); None
+        #: when there are none.
+        self.unsettled_chunks: tuple[torch.Tensor, Rows] | None = None
 
     #: The plan's index (the stream key's bucket), name, size and exchange mode.
     index = property(lambda self: self.plan.index)
@@ -411,6 +416,28 @@ class Wire:
         return [markers.marker_or(p, bad, offset=offset, numel=size, table=bucket.table,
                                   bucket_size=q.bucket_size, norm=q.norm) for p in payloads]
 
+    @staticmethod
+    def _device(buckets: Sequence[Bucket], sends: list[Any]) -> torch.device:
+        """Where the held flags live."""
+        if sends:
+            return sends[0][1].result.device
+        b = buckets[0]
+        return (b.unsettled_chunks or b.unsettled)[0].device
+
+    def _chunks_failed(self, bucket: Bucket, rows: Rows) -> None:
+        """Two-phase's alltoall rows that were not plain, found at :meth:`settle`: a marker or
+        a joined rank (every rank received it: the same outcome everywhere), skipped or raised
+        as at once; a bad payload raises here (this rank sent a marker instead of its chunk,
+        so the others stop too). Rows that the checked path decodes would have needed their
+        own average re-encoded: that cannot happen for the rows :meth:`_plain` refuses
+        (no presence mask, no checksum), and is reported as a bug."""
+        if self._outcome(bucket, rows, names.alltoall_name(bucket.name)) == SKIP:
+            return
+        m = chunk_numel(bucket.numel, self.ranks, self.q.bucket_size)
+        self._decode_average(bucket, self._unmask(bucket, rows), m)   # raises what is wrong
+        raise RuntimeError(f"horovod_aq: bucket {bucket.name}: its alltoall rows were not plain "
+                           "payloads, yet they decode (please report this bug)")
+
     def _update_memory(self, bucket: Bucket, raw: torch.Tensor,
                        sent: list[torch.Tensor]) -> None:
         """h ← β·h + (g − g̃), g̃ the decode of this rank's own payloads."""
@@ -587,7 +614,11 @@ class Wire:
         m = chunk_numel(bucket.numel, P, q.bucket_size)
         started = time.perf_counter()
         got = self._plain(bucket, rows, m)
-        chunk = got[0] if got is not None and bool(got[1]) else None   # one synchronisation
+        held = self.defer and got is not None and not bucket.masked
+        if held:   # decided at settle; a chunk of rows that were not plain is not sent
+            chunk, bucket.unsettled_chunks = got[0], (got[1], rows)
+        else:
+            chunk = got[0] if got is not None and bool(got[1]) else None   # one synchronisation
         if chunk is None:
             if self._outcome(bucket, rows, collective) == SKIP:
                 return
@@ -604,6 +635,11 @@ class Wire:
                 first_bad=lambda c: self._first_bad(c, c),
                 marker=lambda bad: self._markers(bucket, bad, chunk.device, mode="allgather",
                                                  numel=m)[0])
+        if held:   # rows that were not plain: a marker goes instead, naming element r·m
+            refused = (~bucket.unsettled_chunks[0]).to(torch.int64) - 1   # 0 where not plain
+            payload = markers.marker_or(payload, refused, offset=self.rank * m, numel=m,
+                                        table=bucket.table, bucket_size=q.bucket_size,
+                                        norm=q.norm)
         self._count(0, sent_bytes("allgather", [payload.numel()], self.rank, P)[1])
         self._allgather(bucket, payload, "ag2")
 
@@ -666,37 +702,43 @@ class Wire:
     def settle(self, buckets: Sequence[Bucket]) -> list[tuple[Bucket, BaseException]]:
         """What ``defer`` left on the device, read in one copy (the step's one synchronisation):
         first every held send's outcome (:meth:`hold_send`; all of them, whatever ``buckets``
-        holds), then the final decodes of the buckets given. A bucket whose flag is False takes
-        the checked path (``packed.receive``): its result is replaced, it is skipped, or its
-        error is returned beside it, in the order given (every rank meets the same). Call it
-        once every bucket finished, before using any result; nothing held costs nothing."""
-        held = [b for b in buckets if b.unsettled is not None]
+        holds), then the alltoall rows and final rows of the buckets given. A bucket whose flag
+        is False takes the checked path (``packed.receive``): its result is replaced, it is
+        skipped, or its error is returned beside it, in the order given (every rank meets the
+        same outcome, or stops). Call it once every bucket finished, before using any result;
+        nothing held costs nothing."""
+        held = [b for b in buckets if b.unsettled is not None or b.unsettled_chunks is not None]
         sends, self.held = self.held, []
         if not held and not sends:
             return []
         started = time.perf_counter()
-        host = torch.cat([b.unsettled[0].reshape(1).to(torch.float64) for b in held]
-                         + [send.result for _, send, *_ in sends]).cpu().numpy()   # one copy
-        at = len(held)
+        true = torch.ones((), dtype=torch.bool, device=self._device(held, sends))
+        flags = [f for b in held for f in (
+            true if b.unsettled_chunks is None else b.unsettled_chunks[0],
+            true if b.unsettled is None else b.unsettled[0])]
+        parts = [torch.stack(flags).to(torch.float64)] if flags else []
+        host = torch.cat(parts + [send.result for _, send, *_ in sends]).cpu().numpy()  # 1 copy
+        at = 2 * len(held)
         for key, send, new, old, raw in sends:
             outcome = send.outcome_of(host[at:at + send.result.numel()])
             at += send.result.numel()
             finite, squares = outcome or (True, None)
             self.memory.settle_swap(key, new, old, raw, travelled=outcome is not None,
                                     finite=finite, sum_of_squares=squares)
-        flags = host[:len(held)] != 0
         failed: list[tuple[Bucket, BaseException]] = []
-        for bucket, ok in zip(held, flags):
-            (_, rows, average), bucket.unsettled = bucket.unsettled, None
-            if ok:
-                continue
+        for k, bucket in enumerate(held):
+            chunks, final = bucket.unsettled_chunks, bucket.unsettled
+            bucket.unsettled_chunks = bucket.unsettled = None
             try:
-                result = self._checked(bucket, rows, average)
+                if chunks is not None and not host[2 * k]:
+                    self._chunks_failed(bucket, chunks[1])
+                elif final is not None and not host[2 * k + 1]:
+                    _, rows, average = final
+                    result = self._checked(bucket, rows, average)
+                    if result is not None:
+                        self._deliver(bucket, result, average)
             except Exception as exc:  # noqa: BLE001 - the caller raises it at the step's end
                 failed.append((bucket, exc))
-                continue
-            if result is not None:
-                self._deliver(bucket, result, average)
         self.seconds["decode"] += time.perf_counter() - started
         return failed
 
