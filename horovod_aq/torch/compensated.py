@@ -12,7 +12,11 @@ buffer, with the wire's stream key and timing (``Wire.timed_encode``):
 * **CUDA** (Triton): ``torch.triton_compensated.Send``: every part is launched without a host
   sync, then one device→host copy of the flags and per-bucket sums decides whether the bucket
   travels (the entropy-coded wire and checksums add their own host round trips per part, as in
-  the unfused encode).
+  the unfused encode);
+* **CUDA, decided on the device** (a wire that settles, ``Wire.defer``; fixed-width codes, no
+  checksums, not while recording): the same launches, then the markers chosen on the device
+  (``Send.first_bad``, ``torch.markers``), h' swapped into the memory at once, and the outcome
+  read at the step's end by ``Wire.settle`` with the step's other flags (docs/dynamic.md §2.6).
 
 h' goes into the memory's spare buffer (``ErrorMemory.spare``; allocated the first time), is
 installed by the returned callable after the send succeeded, and never where a bucket cannot
