@@ -624,11 +624,55 @@ def replan_one_rank():
     return "no error"
 
 
+def device_decided(steps: int = 3):
+    """QSGD 2-bit with error feedback, two-phase, nonfinite="skip", a NaN on rank 1 at step 1,
+    trained with CPU's kernels and again with the Triton kernels (in the interpreter), whose
+    sends keep their outcome on the device and whose final rows are settled when the first
+    bucket is handed over (docs/dynamic.md §2.6, docs/protocol.md §5.8): both runs' weights,
+    memories and skips (None without Triton)."""
+    torch, hvd = init_torch()
+    import torch.nn.functional as F
+
+    import horovod_aq
+    import horovod_aq.torch as aqt
+    from horovod_aq.torch import kernels, triton_kernels
+
+    if not triton_kernels.available():
+        return None
+    runs, cpu = {}, kernels.implementation_for
+    for impl in ("fused", "triton"):
+        if impl == "triton":
+            kernels.implementation_for = lambda device: "triton"
+        try:
+            model = tiny_model(torch, 0)
+            comp = horovod_aq.ErrorFeedback(horovod_aq.QSGD(bits=2, bucket_size=BUCKET, seed=7,
+                                                            nonfinite="skip"))
+            opt = aqt.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(), comp,
+                exchange="two_phase", fusion_bytes=FUSION_BYTES)
+            skipped = []
+            for step in range(steps):
+                x, y = _batch(torch, hvd.rank(), step)
+                loss = F.cross_entropy(model(x), y)
+                if step == 1 and hvd.rank() == 1:
+                    loss = loss * float("nan")
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                skipped.append(opt.telemetry.last.extra.get("skipped", 0.0))
+            runs[impl] = {"skipped": skipped, "weights": torch.cat(
+                [p.detach().reshape(-1) for p in model.parameters()]).numpy(),
+                "memory": {k: v.numpy().copy() for k, v in comp.error_memory.memory.items()}}
+        finally:
+            kernels.implementation_for = cpu
+    return runs
+
+
 TWO_RANK_CHECKS = [oracle_allgather, oracle_two_phase, oracle_accumulate, unbiased_two_phase,
                    refit_tables, checkpoint_resume, train_fp32, train_alq_packed, train_alq_stock,
                    dqsgd_bits_agree, ecq_packed, ef_auto_two_bits, settings_mismatch_detected,
                    version_mismatch_refused, entropy_wire, entropy_training, auto_wire,
-                   replan_finetune, replan_one_rank]
+                   replan_finetune, replan_one_rank, device_decided]
 FOUR_RANK_CHECKS = [oracle_allgather, oracle_two_phase, refit_tables, process_sets_split,
                     settings_mismatch_detected]
 
@@ -786,6 +830,18 @@ def test_training_alq_matches_fp32(launch):
         assert all(r["version"] >= 2 for r in runs)  # refitted at steps 0 and 100
         loss = np.mean([r["loss"] for r in runs])
         assert loss <= 1.05 * reference, (runs, fp32)
+
+
+def test_the_device_decided_exchange_is_bitwise_the_cpu_one(launch):
+    ranks = _get(launch, "device_decided")
+    if ranks[0] is None:
+        pytest.skip("Triton is not installed: its kernels are untested")
+    for r in ranks:
+        assert r["fused"]["skipped"] == r["triton"]["skipped"] == [0.0, 1.0, 0.0]
+        assert r["fused"]["weights"].tobytes() == r["triton"]["weights"].tobytes()
+        cpu, device = r["fused"]["memory"], r["triton"]["memory"]
+        assert cpu.keys() == device.keys() and cpu
+        assert all(cpu[k].tobytes() == device[k].tobytes() for k in cpu)
 
 
 def test_settings_mismatch_fails_everywhere(launch):
