@@ -78,13 +78,13 @@ def test_a_marker_replaces_the_payload_exactly_as_the_hosts(bad, offset):
     table = horovod_aq.QSGD(bits=3, bucket_size=B).table
     x = np.random.default_rng(4).standard_normal(N).astype(np.float32)
     payload = codec.encode(x, table, bucket_size=B, norm="l2")
-    got = markers.marker_or(torch.from_numpy(payload.copy()), torch.tensor(bad), offset=offset,
-                            numel=N, table=table, bucket_size=B, norm="l2").numpy()
-    if bad < 0:
-        np.testing.assert_array_equal(got, payload)
-        return
-    want = codec.nonfinite_payload(N, table, B, "l2", min(bad + offset, MAX_MARKER_INDEX))
-    np.testing.assert_array_equal(got, want)
+    sent = markers.markers_or([torch.from_numpy(payload.copy())] * 2, torch.tensor(bad),
+                              offset=offset, numel=N, table=table, bucket_size=B, norm="l2")
+    want = payload if bad < 0 else codec.nonfinite_payload(N, table, B, "l2",
+                                                           min(bad + offset, MAX_MARKER_INDEX))
+    assert len(sent) == 2
+    for got in sent:
+        np.testing.assert_array_equal(got.numpy(), want)
 
 
 def test_an_empty_part_travels():

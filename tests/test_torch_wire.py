@@ -207,16 +207,22 @@ def test_error_feedback_memory_is_what_the_rank_did_not_send():
 
 
 def _marker_errors(ranks, grads):
-    """Every rank submits its gradient; the NonFiniteGradientError message each one's finish
-    raises."""
-    errors = []
+    """Every rank submits its gradient and advances (two-phase: a wire that decides at once
+    raises there); the NonFiniteGradientError message each one meets."""
+    errors = {}
     for (comp, wire, bucket), g in zip(ranks, grads):
         wire.submit(bucket, torch.from_numpy(g))
-    for comp, wire, bucket in ranks:
-        with pytest.raises(codec.NonFiniteGradientError) as err:
-            _result(wire, bucket)
-        errors.append(str(err.value))
-    return errors
+    for r, (comp, wire, bucket) in enumerate(ranks):
+        try:
+            wire.advance(bucket)
+        except codec.NonFiniteGradientError as exc:
+            errors[r] = str(exc)
+    for r, (comp, wire, bucket) in enumerate(ranks):
+        if r not in errors:
+            with pytest.raises(codec.NonFiniteGradientError) as err:
+                _result(wire, bucket)
+            errors[r] = str(err.value)
+    return [errors[r] for r in range(len(ranks))]
 
 
 @pytest.mark.parametrize("mode", ["allgather", "two_phase"])

@@ -176,8 +176,8 @@ def _triton_on_device(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor |
         payloads.append(wire.timed_encode(bucket, part, lambda key, lo=lo, hi=hi: send.encode(
             g[lo:hi], None if h is None else h[lo:hi], out[lo:hi], key)))
     bad = send.first_bad(payloads)
-    sent = [markers.marker_or(p, bad, numel=size, table=bucket.table, bucket_size=q.bucket_size,
-                              norm=q.norm) for p, (_, _, size) in zip(payloads, spans)]
+    sent = markers.markers_or(payloads, bad, numel=spans[0][2], table=bucket.table,
+                              bucket_size=q.bucket_size, norm=q.norm)
 
     def install() -> None:
         wire.hold_send(bucket.key, send, out, memory.swap_in(bucket.key, out), g)

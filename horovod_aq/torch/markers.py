@@ -28,7 +28,7 @@ from horovod_aq.levels.table import LevelTable
 from horovod_aq.packed.marker import MAX_MARKER_INDEX
 from horovod_aq.torch.payload import header_tensor
 
-__all__ = ["first_bad", "first_unsendable", "marker_or", "payload_norms"]
+__all__ = ["first_bad", "first_unsendable", "markers_or", "payload_norms"]
 
 
 def payload_norms(payload: torch.Tensor, numel: int, bucket_size: int) -> torch.Tensor:
@@ -57,17 +57,25 @@ def first_bad(x: torch.Tensor, norms: torch.Tensor, bucket_size: int) -> torch.T
     return torch.where(~finite[f], f, first_unsendable(norms, bucket_size))
 
 
-def marker_or(payload: torch.Tensor, bad: torch.Tensor, *, offset: int = 0, numel: int,
-              table: LevelTable, bucket_size: int, norm: str) -> torch.Tensor:
-    """``payload`` (``numel`` coordinates) where bad < 0, else the marker of its size naming
-    element ``offset`` + bad (module docstring); a new tensor, nothing read on the host."""
+def markers_or(payloads: list[torch.Tensor], bad: torch.Tensor, *, offset: int = 0,
+               numel: int, table: LevelTable, bucket_size: int,
+               norm: str) -> list[torch.Tensor]:
+    """Each of ``payloads`` (``numel`` coordinates each: one part, or two-phase's P chunks)
+    where bad < 0, else the marker of its size naming element ``offset`` + bad (module
+    docstring); new tensors, nothing read on the host. The marker's header is made once."""
+    if not payloads:
+        return []
+    device = payloads[0].device
     refused = bad >= 0
     index = (bad + offset).clamp(0, MAX_MARKER_INDEX)
-    shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=payload.device)
+    shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=device)
     field = ((index >> shifts) & 0xFF).to(torch.uint8)   # 4 bytes, little-endian
-    head = header_tensor(numel, table, bucket_size, norm, payload.device, marker=True).clone()
+    head = header_tensor(numel, table, bucket_size, norm, device, marker=True).clone()
     head[MARKER_INDEX_OFFSET:MARKER_INDEX_OFFSET + 4] = field
-    out = torch.where(refused, torch.zeros((), dtype=torch.uint8, device=payload.device),
-                      payload)
-    out[:HEADER_SIZE] = torch.where(refused, head, payload[:HEADER_SIZE])
+    zero = torch.zeros((), dtype=torch.uint8, device=device)
+    out = []
+    for payload in payloads:
+        sent = torch.where(refused, zero, payload)
+        sent[:HEADER_SIZE] = torch.where(refused, head, payload[:HEADER_SIZE])
+        out.append(sent)
     return out

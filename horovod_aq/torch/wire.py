@@ -413,8 +413,8 @@ class Wire:
         q = self.q
         norms = torch.cat([markers.payload_norms(p, size, q.bucket_size) for p in payloads])
         bad = markers.first_bad(x, norms, q.bucket_size)
-        return [markers.marker_or(p, bad, offset=offset, numel=size, table=bucket.table,
-                                  bucket_size=q.bucket_size, norm=q.norm) for p in payloads]
+        return markers.markers_or(payloads, bad, offset=offset, numel=size, table=bucket.table,
+                                  bucket_size=q.bucket_size, norm=q.norm)
 
     @staticmethod
     def _device(buckets: Sequence[Bucket], sends: list[Any]) -> torch.device:
@@ -637,9 +637,9 @@ class Wire:
                                                  numel=m)[0])
         if held:   # rows that were not plain: a marker goes instead, naming element r·m
             refused = (~bucket.unsettled_chunks[0]).to(torch.int64) - 1   # 0 where not plain
-            payload = markers.marker_or(payload, refused, offset=self.rank * m, numel=m,
-                                        table=bucket.table, bucket_size=q.bucket_size,
-                                        norm=q.norm)
+            [payload] = markers.markers_or([payload], refused, offset=self.rank * m, numel=m,
+                                           table=bucket.table, bucket_size=q.bucket_size,
+                                           norm=q.norm)
         self._count(0, sent_bytes("allgather", [payload.numel()], self.rank, P)[1])
         self._allgather(bucket, payload, "ag2")
 
