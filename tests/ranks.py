@@ -118,3 +118,16 @@ class ChecksumFlags(EncodeRecorder):
 
         return sorted({int(payload[codec.FLAGS_OFFSET]) & codec.FLAG_CHECKSUM
                        for _, _, _, payload in self.entries})
+
+
+def assert_same_runs(ranks, skipped) -> None:
+    """The ``device_decided`` checks (test_ddp, test_torch_optimizer): on every rank the run
+    with CPU's kernels and the run with the Triton kernels skipped the same steps and hold the
+    same bits, parameters and error memories."""
+    for r in ranks:
+        assert r["fused"]["skipped"] == r["triton"]["skipped"] == skipped
+        for key in ("params", "memory"):
+            cpu, device = r["fused"][key], r["triton"][key]
+            assert cpu.keys() == device.keys() and cpu
+            for name in cpu:
+                assert cpu[name].tobytes() == device[name].tobytes(), (key, name)

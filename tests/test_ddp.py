@@ -30,7 +30,7 @@ from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels import LevelTable
 from horovod_aq.packed.cost import chunk_numel
 from tests import launches
-from tests.ranks import record_ddp_submits
+from tests.ranks import assert_same_runs, record_ddp_submits
 
 pytestmark = pytest.mark.multiprocess
 
@@ -751,17 +751,12 @@ def test_nonfinite_skip_on_every_rank(results):
         assert r["telemetry"][0]["extra"].get("skipped") == 1.0
 
 
+@pytest.mark.reads("device_decided")
 def test_the_device_decided_exchange_is_bitwise_the_cpu_one(results):
     ranks = _get(results, "device_decided")
     if ranks[0] is None:
         pytest.skip("Triton is not installed: its kernels are untested")
-    for r in ranks:
-        assert r["fused"]["skipped"] == r["triton"]["skipped"] == [False, True, False]
-        for key in ("params", "memory"):
-            cpu, device = r["fused"][key], r["triton"][key]
-            assert cpu.keys() == device.keys() and cpu
-            for name in cpu:
-                assert cpu[name].tobytes() == device[name].tobytes(), (key, name)
+    assert_same_runs(ranks, [False, True, False])
 
 
 @pytest.mark.reads("mismatch")

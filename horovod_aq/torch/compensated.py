@@ -134,10 +134,10 @@ def _compiled_parts(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | N
     return payloads, finite, squares
 
 
-def _triton_parts(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | None,
-                  out: torch.Tensor, spans: list[tuple[int, int, int]]) -> Parts | None:
-    """CUDA: every part launched by ``triton_compensated.Send`` without waiting, then its one
-    device→host read decides (the parts of a bucket that cannot travel are discarded)."""
+def _launched(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | None,
+              out: torch.Tensor, spans: list[tuple[int, int, int]]) -> tuple[Any, list]:
+    """CUDA: every part launched by ``triton_compensated.Send`` without waiting: the send and
+    its payloads as they travel (entropy-coded or sealed where the wire says so)."""
     from horovod_aq.torch import triton_compensated
 
     q, memory = wire.q, wire.memory
@@ -152,6 +152,14 @@ def _triton_parts(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | Non
                                              coding=bucket.coding, checksum=q.checksum)
 
         payloads.append(wire.timed_encode(bucket, part, run))
+    return send, payloads
+
+
+def _triton_parts(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | None,
+                  out: torch.Tensor, spans: list[tuple[int, int, int]]) -> Parts | None:
+    """CUDA: every part launched (:func:`_launched`), then the send's one device→host read
+    decides (the parts of a bucket that cannot travel are discarded)."""
+    send, payloads = _launched(wire, bucket, g, h, out, spans)
     found = send.outcome()
     return None if found is None else (payloads, *found)
 
@@ -159,22 +167,16 @@ def _triton_parts(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | Non
 def _triton_on_device(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | None,
                       out: torch.Tensor, spans: list[tuple[int, int, int]]
                       ) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
-    """CUDA, nothing read on the host: every part launched by ``triton_compensated.Send``, the
-    first bad element found on the device (``Send.first_bad``) and each payload replaced by its
-    marker where there is one (``torch.markers``). Returns the payloads, what is sent, and the
-    install: h' becomes the memory at once (``ErrorMemory.swap_in``), and ``Wire.settle``
-    reads the send's outcome at the step's end with the step's other flags, keeping h' or
-    giving h back (``ErrorMemory.settle_swap``)."""
-    from horovod_aq.torch import markers, triton_compensated
+    """CUDA, nothing read on the host: every part launched (:func:`_launched`; fixed-width
+    payloads), the first bad element found on the device (``Send.first_bad``) and each payload
+    replaced by its marker where there is one (``torch.markers``). Returns the payloads, what
+    is sent, and the install: h' becomes the memory at once (``ErrorMemory.swap_in``), and
+    ``Wire.settle`` reads the send's outcome at the step's end with the step's other flags,
+    keeping h' or giving h back (``ErrorMemory.settle_swap``)."""
+    from horovod_aq.torch import markers
 
     q, memory = wire.q, wire.memory
-    send = triton_compensated.Send(bucket.table, bucket_size=q.bucket_size, norm=q.norm,
-                                   alpha=memory.alpha, beta=memory.beta,
-                                   sizes=[size for _, _, size in spans], device=g.device)
-    payloads = []
-    for part, (lo, hi, _) in enumerate(spans):
-        payloads.append(wire.timed_encode(bucket, part, lambda key, lo=lo, hi=hi: send.encode(
-            g[lo:hi], None if h is None else h[lo:hi], out[lo:hi], key)))
+    send, payloads = _launched(wire, bucket, g, h, out, spans)
     bad = send.first_bad(payloads)
     sent = markers.markers_or(payloads, bad, numel=spans[0][2], table=bucket.table,
                               bucket_size=q.bucket_size, norm=q.norm)
