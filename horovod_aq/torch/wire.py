@@ -264,9 +264,11 @@ class Wire:
         comm: the payload collectives of the process group.
         stream_rank: the global rank, which keys the random stream (docs/format.md §6).
         deadline: how long one wait may last (``packed.waiting.Deadline``).
-        defer: whether the final decode of plain rows leaves its device flag for
-            :meth:`settle` (one host read per step for all buckets, docs/protocol.md §5.8); the
-            caller then settles every bucket it finished before using their results.
+        defer: whether what the device decides stays there until :meth:`settle` (one host
+            read per step for all buckets, docs/protocol.md §5.8): the flags of plain final
+            rows and of two-phase's unmasked alltoall rows, and the outcome of a send with
+            error feedback on Triton (:meth:`hold_send`). The caller then settles every bucket
+            it finished before using their results.
 
     Buckets in the node-aware modes go through :attr:`node`, the
     :class:`~horovod_aq.torch.node_exchange.NodeExchange` that
