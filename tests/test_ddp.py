@@ -131,7 +131,7 @@ def _seconds(results: dict) -> dict:
 
 # ---------------------------------------------------------------- helpers inside the ranks
 def _setup(method="alq", bits=3, exchange="auto", schedule="0,2,0", error_feedback=False,
-           lr=0.05, seed=0, wire="fixed", **comp_kw):
+           lr=0.05, seed=0, wire="fixed", sizes=SIZES, **comp_kw):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -139,7 +139,7 @@ def _setup(method="alq", bits=3, exchange="auto", schedule="0,2,0", error_feedba
     from horovod_aq.torch import ddp as aqddp
     from tests.ranks import tiny_model
 
-    model = tiny_model(torch, seed, SIZES)
+    model = tiny_model(torch, seed, sizes)
     net = DDP(model, bucket_cap_mb=CAP_MB)
     if method == "dqsgd":
         comp = horovod_aq.DQSGD(bucket_size=BUCKET, seed=SEED, schedule=schedule, **comp_kw)
@@ -391,6 +391,10 @@ def _one_interpreter_at_a_time():
     interpreter.GridExecutor.__call__ = serial
 
 
+#: A model of two DDP buckets for the checks that run Triton's interpreter (≈ 6k parameters).
+SMALL = (20, 64, 64, 10)
+
+
 def device_decided(exchange="two_phase", steps=3):
     """QSGD 2-bit with error feedback, nonfinite="skip", a NaN on rank 1 at step 1, trained with
     CPU's kernels and again with the Triton kernels (in the interpreter), whose sends keep
@@ -411,7 +415,7 @@ def device_decided(exchange="two_phase", steps=3):
         try:
             model, net, comp, state, opt = _setup(method="qsgd", bits=2, error_feedback=True,
                                                   nonfinite="skip", schedule="0",
-                                                  exchange=exchange)
+                                                  exchange=exchange, sizes=SMALL)
             bad = dict(model.named_parameters())["2.weight"]
             nan = dist.get_rank() == 1
             bad.register_hook(lambda g: g * float("nan") if nan and state.compression.step == 1

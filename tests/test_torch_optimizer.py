@@ -674,13 +674,14 @@ TWO_RANK_CHECKS = [oracle_allgather, oracle_two_phase, oracle_accumulate, unbias
                    refit_tables, checkpoint_resume, train_fp32, train_alq_packed, train_alq_stock,
                    dqsgd_bits_agree, ecq_packed, ef_auto_two_bits, settings_mismatch_detected,
                    version_mismatch_refused, entropy_wire, entropy_training, auto_wire,
-                   replan_finetune, replan_one_rank, device_decided]
+                   replan_finetune, replan_one_rank]
 FOUR_RANK_CHECKS = [oracle_allgather, oracle_two_phase, refit_tables, process_sets_split,
                     settings_mismatch_detected]
 
 
 #: (controller, ranks) -> the checks that launch runs (tests/launches.py)
-LAUNCHES = {"launch": {("gloo", 2): TWO_RANK_CHECKS, ("mpi", 2): TWO_RANK_CHECKS,
+LAUNCHES = {"launch": {("gloo", 2): TWO_RANK_CHECKS,
+                       ("mpi", 2): TWO_RANK_CHECKS + [device_decided],   # slow: the interpreter
                        ("gloo", 4): FOUR_RANK_CHECKS, ("mpi", 4): FOUR_RANK_CHECKS}}
 TWO_RANKS = [("gloo", 2), ("mpi", 2)]
 

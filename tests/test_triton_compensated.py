@@ -305,7 +305,7 @@ def test_fusable_takes_the_triton_implementation(monkeypatch):
 @pytest.mark.parametrize("mode, P, coding, defer", [("allgather", 2, "fixed", False),
                                                     ("two_phase", 2, "entropy", False),
                                                     ("allgather", 2, "fixed", True),
-                                                    ("two_phase", 3, "fixed", True)])
+                                                    ("two_phase", 2, "fixed", True)])
 def test_the_wire_with_the_triton_pass_is_bitwise_the_unfused_steps(monkeypatch, mode, P,
                                                                     coding, defer):
     # the torch wire's fused error feedback through Triton (CPU tensors under the interpreter
