@@ -95,9 +95,7 @@ def _tap(wire: Any, bucket: Any, g: torch.Tensor, payloads: list[torch.Tensor]) 
 def _decided_on_device(wire: Any, bucket: Any, g: torch.Tensor) -> bool:
     """Whether the send's outcome stays on the device until the step's end: Triton, a wire
     that settles (``Wire.defer``), fixed-width codes without checksums, nothing recorded."""
-    q = wire.q
-    return (wire.defer and kernels.implementation_for(g.device) == "triton"
-            and not bucket.variable and not q.checksum and not q.recording)
+    return wire.defer and not wire.q.recording and wire.decides_on_device(bucket, g)
 
 
 Parts = tuple[list[torch.Tensor], bool, float]

@@ -31,10 +31,12 @@ from horovod_aq.torch.payload import header_tensor
 __all__ = ["first_bad", "first_unsendable", "markers_or", "payload_norms"]
 
 
-def payload_norms(payload: torch.Tensor, numel: int, bucket_size: int) -> torch.Tensor:
-    """ν_k of a fixed-width payload of ``numel`` coordinates: a float32 view, no copy."""
-    count = codec.num_buckets(numel, bucket_size)
-    return payload[HEADER_SIZE:HEADER_SIZE + codec.NORM_BYTES * count].view(torch.float32)
+def payload_norms(payloads: list[torch.Tensor], sizes: list[int],
+                  bucket_size: int) -> torch.Tensor:
+    """ν_k of fixed-width payloads (of ``sizes`` coordinates: a bucket's parts, in order), in
+    bucket order: their float32 norms, concatenated."""
+    return torch.cat([p[HEADER_SIZE:HEADER_SIZE + codec.NORM_BYTES * codec.num_buckets(
+        n, bucket_size)].view(torch.float32) for p, n in zip(payloads, sizes, strict=True)])
 
 
 def first_unsendable(norms: torch.Tensor, bucket_size: int) -> torch.Tensor:

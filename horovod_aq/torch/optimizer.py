@@ -315,7 +315,6 @@ class _PackedOptimizer(torch.optim.Optimizer):
         otherwise the agreement goes out, collected by :meth:`synchronize`."""
         if self._aq_started is None:
             self._aq_error = None   # a step that raised elsewhere (e.g. its agreement) left it
-            self._aq_settled = False
             self._aq_follow_trainable()
             checkpoint.adopt_broadcast(self)
             self._aq_follow_world()

@@ -327,8 +327,7 @@ class Send:
         where the bucket travels. A 0-dim int64 tensor; nothing is read on the host."""
         from horovod_aq.torch import markers
 
-        norms = torch.cat([markers.payload_norms(p, n, self.bucket_size)
-                           for p, n in zip(payloads, self.sizes, strict=True)])
+        norms = markers.payload_norms(payloads, self.sizes, self.bucket_size)
         g_at, x_at = self._first[0], self._first[1]
         return torch.where(g_at < NEVER, g_at, torch.where(
             x_at < NEVER, x_at, markers.first_unsendable(norms, self.bucket_size)))

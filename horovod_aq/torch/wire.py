@@ -364,10 +364,11 @@ class Wire:
                           encode_compensated=(lambda g: compensated.encode_compensated(
                               self, bucket, g)) if fused else None,
                           recording=lambda: q.recording,
-                          decide=(lambda x, sent: self._decide(bucket, x, sent, size=(
-                              bucket.numel if bucket.mode == "allgather" else chunk_numel(
-                                  bucket.numel, P, q.bucket_size))))
-                          if self._decides_on_device(bucket, raw) else None)
+                          decide=(lambda x, sent: self._decide(
+                              bucket, x, sent, size=self._payload_numel(
+                                  bucket, bucket.mode == "allgather")))
+                          if self.memory is None and not q.recording
+                          and self.decides_on_device(bucket, raw) else None)
         update = None if self.memory is None else (
             lambda g, sent: self._update_memory(bucket, g, sent))
         payloads = send_bucket(raw, steps, update)
@@ -396,16 +397,15 @@ class Wire:
         bucket.pending = self.comm.allgather(
             payload, name, then, delimit=lambda flat, count: payload_sizes(flat, count, trailer))
 
-    def _decides_on_device(self, bucket: Bucket, x: torch.Tensor, *,
-                           first_phase: bool = True) -> bool:
-        """Whether the send of x chooses between payloads and markers on the device, after its
+    def decides_on_device(self, bucket: Bucket, x: torch.Tensor) -> bool:
+        """Whether a send of x can choose between payloads and markers on the device, after its
         encode (``packed.send``, "Decided after the encode"): Triton's kernels (whose encode
-        skips the host check), fixed-width codes, no checksums; a first-phase send also without
-        error memory (fused or not, it decides on the host) and while nothing is recorded."""
+        skips the host check), fixed-width codes of float32 values, no checksums. A first-phase
+        send also needs a step that records nothing, and no error memory (or, with it, a wire
+        that settles: ``torch.compensated``)."""
         q = self.q
         return (not bucket.variable and not q.checksum and x.dtype == torch.float32
-                and kernels.implementation_for(x.device) == "triton"
-                and (not first_phase or (self.memory is None and not q.recording)))
+                and kernels.implementation_for(x.device) == "triton")
 
     def _decide(self, bucket: Bucket, x: torch.Tensor, payloads: list[torch.Tensor], *,
                 size: int, offset: int = 0) -> list[torch.Tensor]:
@@ -413,18 +413,10 @@ class Wire:
         of their size naming element ``offset`` + x's first bad one, chosen on the device
         (``torch.markers``)."""
         q = self.q
-        norms = torch.cat([markers.payload_norms(p, size, q.bucket_size) for p in payloads])
+        norms = markers.payload_norms(payloads, [size] * len(payloads), q.bucket_size)
         bad = markers.first_bad(x, norms, q.bucket_size)
         return markers.markers_or(payloads, bad, offset=offset, numel=size, table=bucket.table,
                                   bucket_size=q.bucket_size, norm=q.norm)
-
-    @staticmethod
-    def _device(buckets: Sequence[Bucket], sends: list[Any]) -> torch.device:
-        """Where the held flags live."""
-        if sends:
-            return sends[0][1].result.device
-        b = buckets[0]
-        return (b.unsettled_chunks or b.unsettled)[0].device
 
     def _chunks_failed(self, bucket: Bucket, rows: Rows) -> None:
         """Two-phase's alltoall rows that were not plain, found at :meth:`settle`: a marker or
@@ -435,8 +427,8 @@ class Wire:
         (no presence mask, no checksum), and is reported as a bug."""
         if self._outcome(bucket, rows, names.alltoall_name(bucket.name)) == SKIP:
             return
-        m = chunk_numel(bucket.numel, self.ranks, self.q.bucket_size)
-        self._decode_average(bucket, self._unmask(bucket, rows), m)   # raises what is wrong
+        self._decode_average(bucket, self._unmask(bucket, rows),   # raises what is wrong
+                             self._payload_numel(bucket, False))
         raise RuntimeError(f"horovod_aq: bucket {bucket.name}: its alltoall rows were not plain "
                            "payloads, yet they decode (please report this bug)")
 
@@ -628,7 +620,7 @@ class Wire:
         self.seconds["decode"] += time.perf_counter() - started
         for lo, hi in chunk_zero_spans(bucket.numel, m, self.rank, bucket.spans(bucket.gone)):
             chunk[lo:hi] = 0.0
-        if self._decides_on_device(bucket, chunk, first_phase=False):
+        if self.decides_on_device(bucket, chunk):
             payload = self._decide(bucket, chunk, [self._encode(
                 bucket, chunk, reencode_part(P), checked=True)], size=m, offset=self.rank * m)[0]
         else:
@@ -652,7 +644,7 @@ class Wire:
         rows = self._rows(bucket, received)
         started = time.perf_counter()
         average = bucket.stage == "ag"
-        got = self._plain(bucket, rows, self._final_numel(bucket, average), average=average)
+        got = self._plain(bucket, rows, self._payload_numel(bucket, average), average=average)
         if got is not None and self.defer:
             result, bucket.unsettled = got[0], (got[1], rows, average)
         elif got is not None and bool(got[1]):   # one synchronisation
@@ -664,10 +656,11 @@ class Wire:
         self._deliver(bucket, result, average)
         self.seconds["decode"] += time.perf_counter() - started
 
-    def _final_numel(self, bucket: Bucket, average: bool) -> int:
-        """Coordinates of one final row: the bucket's (averaged payloads) or a chunk's."""
-        return bucket.numel if average else chunk_numel(bucket.numel, self.ranks,
-                                                        self.q.bucket_size)
+    def _payload_numel(self, bucket: Bucket, whole: bool) -> int:
+        """Coordinates of one payload: the bucket's (allgather: sent and averaged whole) or a
+        two-phase chunk's m."""
+        return bucket.numel if whole else chunk_numel(bucket.numel, self.ranks,
+                                                      self.q.bucket_size)
 
     def _checked(self, bucket: Bucket, rows: Rows, average: bool) -> torch.Tensor | None:
         """The final rows decided by ``packed.receive`` and decoded by the checked decoders:
@@ -676,7 +669,7 @@ class Wire:
         collective = names.allgather_name(bucket.name)
         if self._outcome(bucket, rows, collective) == SKIP:   # a marker (a chunk's, too)
             return None
-        numel = self._final_numel(bucket, average)
+        numel = self._payload_numel(bucket, average)
         if average:
             return self._decode_average(bucket, self._unmask(bucket, rows), numel)
         kw = {"numel": numel, "bucket_size": self.q.bucket_size, "norm": self.q.norm}
@@ -714,13 +707,12 @@ class Wire:
         if not held and not sends:
             return []
         started = time.perf_counter()
-        true = torch.ones((), dtype=torch.bool, device=self._device(held, sends))
-        flags = [f for b in held for f in (
-            true if b.unsettled_chunks is None else b.unsettled_chunks[0],
-            true if b.unsettled is None else b.unsettled[0])]
+        flags = [kept[0] for b in held for kept in (b.unsettled_chunks, b.unsettled)
+                 if kept is not None]   # per bucket: the alltoall's, then the final rows'
         parts = [torch.stack(flags).to(torch.float64)] if flags else []
         host = torch.cat(parts + [send.result for _, send, *_ in sends]).cpu().numpy()  # 1 copy
-        at = 2 * len(held)
+        plain = iter(host[:len(flags)] != 0)
+        at = len(flags)
         for key, send, new, old, raw in sends:
             outcome = send.outcome_of(host[at:at + send.result.numel()])
             at += send.result.numel()
@@ -728,13 +720,15 @@ class Wire:
             self.memory.settle_swap(key, new, old, raw, travelled=outcome is not None,
                                     finite=finite, sum_of_squares=squares)
         failed: list[tuple[Bucket, BaseException]] = []
-        for k, bucket in enumerate(held):
+        for bucket in held:
             chunks, final = bucket.unsettled_chunks, bucket.unsettled
             bucket.unsettled_chunks = bucket.unsettled = None
+            chunks_plain = chunks is None or next(plain)
+            final_plain = final is None or next(plain)
             try:
-                if chunks is not None and not host[2 * k]:
+                if not chunks_plain:
                     self._chunks_failed(bucket, chunks[1])
-                elif final is not None and not host[2 * k + 1]:
+                elif not final_plain:
                     _, rows, average = final
                     result = self._checked(bucket, rows, average)
                     if result is not None:
