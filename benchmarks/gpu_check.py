@@ -73,6 +73,7 @@ from horovod_aq.codec.stream import StreamKey, stream_uniforms  # noqa: E402
 from horovod_aq.levels import families  # noqa: E402
 from horovod_aq.levels.table import LevelTable  # noqa: E402
 from horovod_aq.torch import triton_kernels as tk  # noqa: E402
+from horovod_aq.torch import triton_send as ts  # noqa: E402
 
 TARGET_RATIO = 0.5
 BITS = (2, 3, 4, 8)
@@ -104,18 +105,10 @@ _COMPENSATED_PTRS = {"g_ptr": "*fp32", "h_ptr": "*fp32", "norms_ptr": "*fp32",
                      "first_ptr": "*i64"}
 #: (kernel, pointer types, constexprs, instructions required)
 PTX_CASES = [
-    ("_encode_kernel", {"x_ptr": "*fp32", "norms_ptr": "*fp32", "lev_ptr": "*fp32",
-                        "gap_ptr": "*fp32", "out_ptr": "*u8"},
-     {"BITS": 3, "GROUPS": tk.ENCODE_GROUPS, "POW2_BUCKET": False, "WIDE": False},
-     ("div.rn.f32", "sub.rn.f32", "mul.hi.u32")),
-    ("_encode_kernel", {"x_ptr": "*bf16", "norms_ptr": "*fp32", "lev_ptr": "*fp32",
-                        "gap_ptr": "*fp32", "out_ptr": "*u8"},
-     {"BITS": 8, "GROUPS": tk.ENCODE_GROUPS, "POW2_BUCKET": True, "WIDE": True},
-     ("div.rn.f32", "mul.hi.u32")),
     ("_decode_kernel", {"rows_ptr": "*u8", "norms_ptr": "*fp32", "lookup_ptr": "*fp32",
-                        "out_ptr": "*fp32"},
+                        "out_ptr": "*fp32", "flag_ptr": "*i32", "head_ptr": "*u8"},
      {"BITS": 3, "GROUPS": tk.DECODE_GROUPS, "AVERAGE": True, "POW2_BUCKET": True,
-      "WIDE": False},
+      "WIDE": False, "CHECK_NAN": True, "HEAD": True, "HEADER": 32},
      ("div.rn.f32", "mul.rn.f32", "add.rn.f32")),
     ("_norm_kernel", {"src_ptr": "*fp16", "norms_ptr": "*fp32"},
      {"W": 512, "LOG_W": 9, "ROWS": tk.NORM_BLOCK // 512, "L2": True, "FROM_INPUT": True,
@@ -125,16 +118,30 @@ PTX_CASES = [
      {"W": tk.NORM_BLOCK, "LOG_W": tk.NORM_BLOCK.bit_length() - 1, "ROWS": 1, "L2": True,
       "FROM_INPUT": False, "WIDE": False, "SQUARES": False},
      ("add.rn.f64", "sqrt.rn.f64")),
-    ("_compensated_kernel", _COMPENSATED_PTRS,
+    ("_send_kernel", _COMPENSATED_PTRS,
      {"BITS": 3, "GROUPS": tk.ENCODE_GROUPS, "ROWS": 4, "W": 256, "LOG_W": 8, "LOCAL": True,
-      "L2": True, "HAS_H": True, "POW2_BUCKET": True, "WIDE": False, "NEVER": 2**62},
+      "L2": True, "HAS_H": True, "POW2_BUCKET": True, "WIDE": False, "NEVER": 2**62,
+      "MEMORY": True},
      ("div.rn.f32", "mul.rn.f32", "add.rn.f32", "sub.rn.f32", "mul.rn.f64", "add.rn.f64",
       "sqrt.rn.f64", "atom.global")),
-    ("_compensated_kernel", _COMPENSATED_PTRS,
+    ("_send_kernel", _COMPENSATED_PTRS,
      {"BITS": 8, "GROUPS": tk.ENCODE_GROUPS, "ROWS": 1, "W": 8 * tk.ENCODE_GROUPS,
       "LOG_W": 10, "LOCAL": False, "L2": False, "HAS_H": False, "POW2_BUCKET": False,
-      "WIDE": True, "NEVER": 2**62},
+      "WIDE": True, "NEVER": 2**62, "MEMORY": True},
      ("div.rn.f32", "mul.rn.f32", "sub.rn.f32", "atom.global")),
+    ("_send_kernel", {**_COMPENSATED_PTRS, "g_ptr": "*bf16"},   # the plain encode
+     {"BITS": 8, "GROUPS": tk.ENCODE_GROUPS, "ROWS": 1, "W": 8 * tk.ENCODE_GROUPS,
+      "LOG_W": 10, "LOCAL": False, "L2": False, "HAS_H": False, "POW2_BUCKET": False,
+      "WIDE": True, "NEVER": 2**62, "MEMORY": False},
+     ("div.rn.f32", "mul.hi.u32", "atom.global")),
+    ("_send_kernel", _COMPENSATED_PTRS,   # the plain one-pass encode (no memory)
+     {"BITS": 2, "GROUPS": tk.ENCODE_GROUPS, "ROWS": 2, "W": 512, "LOG_W": 9, "LOCAL": True,
+      "L2": True, "HAS_H": False, "POW2_BUCKET": True, "WIDE": False, "NEVER": 2**62,
+      "MEMORY": False},
+     ("div.rn.f32", "sub.rn.f32", "mul.rn.f64", "add.rn.f64", "sqrt.rn.f64", "atom.global")),
+    ("_marker_kernel", {"pay_ptr": "*u8", "first_ptr": "*i64", "head_ptr": "*u8"},
+     {"NEVER": 2**62, "MAX_INDEX": 2**32 - 1, "HEADER": 32, "INDEX_AT": 28, "BLOCK": 4096},
+     ("st.global",)),
     ("_partial_kernel", {"src_ptr": "*fp32", "dst_ptr": "*fp64"},
      {"M": 256, "LOG_M": 8, "KT": tk.NORM_BLOCK // 256, "L2": True, "FROM_INPUT": True,
       "WIDE": False},
@@ -149,9 +156,10 @@ def ptx_rows(arch: int, only: str | None = None) -> list[list[object]]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from horovod_aq.torch import triton_compensated
 
-    kernels = {**tk._kernels(), "_compensated_kernel": triton_compensated._kernel()}
+    sends = ts._kernels()
+    kernels = {**tk._kernels(), "_send_kernel": sends["send"],
+               "_marker_kernel": sends["markers"]}
     target = GPUTarget("cuda", arch, 32)
     rows = []
     for name, ptrs, constexprs, required in PTX_CASES:
@@ -239,9 +247,9 @@ def throughput_rows(sizes: dict[str, int], bucket_size: int, device: torch.devic
             key = StreamKey(seed=bits, rank=0, step=1)
             out = torch.empty(codec.payload_size(n, bits, bucket_size), dtype=torch.uint8,
                               device=device)
-            ops = [("encode", lambda: tk.encode(x, table, bucket_size=bucket_size, key=key,
+            ops = [("encode", lambda: ts.encode(x, table, bucket_size=bucket_size, key=key,
                                                 out=out))]
-            payload = tk.encode(x, table, bucket_size=bucket_size, key=key)
+            payload = ts.encode(x, table, bucket_size=bucket_size, key=key)
             for world in (2, 8):
                 gathered = payload.expand(world, -1).contiguous()
                 ops.append((f"decode_average P={world}",
@@ -322,7 +330,7 @@ def entropy_encode_rows(sizes: dict[str, int], bucket_size: int, device: torch.d
             want = codec.encode_entropy(x.cpu().numpy(), table, bucket_size=bucket_size, key=key)
             ok = payload.cpu().numpy().tobytes() == want.tobytes()
         all_ok &= ok
-        fixed_s = timed(lambda: tk.encode(x, table, bucket_size=bucket_size, key=key), reps,
+        fixed_s = timed(lambda: ts.encode(x, table, bucket_size=bucket_size, key=key), reps,
                         device)
         coded_s = timed(lambda: entropy.encode_entropy_triton(x, table, bucket_size=bucket_size,
                                                               key=key), reps, device)
@@ -350,7 +358,6 @@ def compensated_rows(n: int, bucket_size: int, device: torch.device,
     update, its finite check and ‖h'‖², as ``ErrorMemory.update`` and telemetry run them).
     Payload and h' are checked bit for bit against the unfused steps (bitwise the oracle's,
     tests/test_triton_compensated.py)."""
-    from horovod_aq.torch import triton_compensated as tc
 
     gen = torch.Generator(device=device).manual_seed(2)
     g = torch.randn(n, generator=gen, device=device, dtype=torch.float32)
@@ -366,14 +373,14 @@ def compensated_rows(n: int, bucket_size: int, device: torch.device,
         key = StreamKey(seed=bits, rank=0, step=1)
 
         def fused():
-            send = tc.Send(table, bucket_size=B, norm="l2", alpha=EF_ALPHA, beta=EF_BETA,
+            send = ts.Send(table, bucket_size=B, norm="l2", alpha=EF_ALPHA, beta=EF_BETA,
                            sizes=[n], device=device)
             payload = send.encode(g, h, out, key)
             return payload, send.outcome()
 
         def unfused():
             x = g + EF_ALPHA * h
-            payload = tk.encode(x, table, bucket_size=B, key=key)
+            payload = ts.encode(x, table, bucket_size=B, key=key)
             new = EF_BETA * h + (g - tk.decode(payload, table))
             return payload, new, bool(torch.isfinite(new).all()), \
                 float(torch.sum(new.to(torch.float64) ** 2))
@@ -385,7 +392,7 @@ def compensated_rows(n: int, bucket_size: int, device: torch.device,
               and abs(found[1] - squares) <= 1e-9 * squares)
         all_ok &= ok
         fused_s, unfused_s = timed(fused, reps, device), timed(unfused, reps, device)
-        passes = "one" if tc.local_width(min(B, n)) else "three"
+        passes = "one" if ts.local_width(min(B, n)) else "three"
         rows.append([f"fused, {passes} pass{'es' if passes == 'three' else ''}", bits, B,
                      f"{fused_s * 1e3:.3f}", f"{gbs(fused_s):.1f}",
                      f"{100 * copy_s / fused_s:.0f} %", f"{unfused_s / fused_s:.1f}×",
@@ -412,7 +419,7 @@ def packed_step(device: torch.device, bits: int = 3, bucket_size: int = 128) -> 
         torch.nn.functional.cross_entropy(model(data), target).backward()
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         key = StreamKey(seed=1234, rank=rank, step=0, bucket=0)
-        payloads.append(tk.encode(flat, table, bucket_size=bucket_size, key=key))
+        payloads.append(ts.encode(flat, table, bucket_size=bucket_size, key=key))
         host = flat.cpu().numpy()
         oracle_rows.append(codec.encode(host, table, bucket_size=bucket_size,
                                         uniforms=stream_uniforms(host.size, key)))
@@ -493,7 +500,7 @@ def main() -> int:
         "",
         "## Error feedback fused into the encode (docs/dynamic.md §2.6)",
         "",
-        "`horovod_aq.torch.triton_compensated.Send` (what the torch wire runs for CUDA float32 "
+        "`horovod_aq.torch.triton_send.Send` (what the torch wire runs for CUDA float32 "
         "gradients with error feedback): x = g + α·h, bucket norms, codes, packing and "
         "h' = β·h + (g − g̃) in one kernel, the finite flags and per-bucket ‖h'‖² sums read to "
         f"the host once (included); {'5000' if args.dry_run else '64M'} float32 coordinates, "

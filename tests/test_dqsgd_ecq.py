@@ -109,7 +109,8 @@ def test_dqsgd_tables_follow_the_bits():
 
 
 def test_dqsgd_state_dict_round_trip():
-    a = horovod_aq.DQSGD(target_bits=3.0, levels="alq", bucket_size=256, schedule="0,3,0")
+    a = horovod_aq.DQSGD(target_bits=3.0, min_bits=2, max_bits=4, levels="alq", bucket_size=256,
+                         schedule="0,3,0")
     rng = np.random.default_rng(0)
     for _ in range(5):
         g = rng.standard_normal(4096)
@@ -117,7 +118,8 @@ def test_dqsgd_state_dict_round_trip():
             a.record_gradient(g)
         a.observe_aggregate(g)
         a.end_step(LocalComm())
-    b = horovod_aq.DQSGD(target_bits=3.0, levels="alq", bucket_size=256, schedule="0,3,0")
+    b = horovod_aq.DQSGD(target_bits=3.0, min_bits=2, max_bits=4, levels="alq", bucket_size=256,
+                         schedule="0,3,0")
     b.load_state_dict(a.state_dict())
     assert (b.bits, b.step) == (a.bits, a.step)
     for w in a.widths:

@@ -476,10 +476,10 @@ def parity_encoders():
 
         out["torch"] = torch_encode("auto")
         out["torch-ops"] = torch_encode("ops")
-        from horovod_aq.torch import triton_kernels
+        from horovod_aq.torch import triton_kernels, triton_send
 
         if triton_kernels.available() and triton_kernels.interpreting():
-            out["triton"] = lambda x, t, b, k, c: triton_kernels.encode(
+            out["triton"] = lambda x, t, b, k, c: triton_send.encode(
                 torch.from_numpy(x), t, bucket_size=b, key=k, checksum=c).numpy()
     try:
         import tensorflow as tf

@@ -49,6 +49,12 @@ class _Pending:
         return self.collect(self.net.sent[self.name])
 
 
+def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """What a collective delivers: the ranks' tensors, concatenated (the loopback's only device
+    work, which a test counting the wire's own can leave out)."""
+    return torch.cat(tensors)
+
+
 class Loopback:
     """The :class:`~horovod_aq.torch.wire.Collectives` of one simulated rank."""
 
@@ -63,7 +69,7 @@ class Loopback:
         self._put(name, [payload])
 
         def collect(sent):
-            flat = torch.cat([sent[r][0] for r in range(self.size)])
+            flat = _concat([sent[r][0] for r in range(self.size)])
             if delimit is None:   # equal sizes, as every fixed-coding collective assumes
                 return then(wire_mod.Received(flat, [payload.numel()] * self.size))
             # what Horovod's allgather does: only the concatenation arrives
@@ -75,7 +81,7 @@ class Loopback:
 
         def collect(sent):
             mine = [sent[r][self.rank] for r in range(self.size)]
-            return wire_mod.Received(torch.cat(mine), [p.numel() for p in mine])
+            return wire_mod.Received(_concat(mine), [p.numel() for p in mine])
         return _Pending(self.net, name, self.rank, collect)
 
 

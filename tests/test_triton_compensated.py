@@ -1,8 +1,9 @@
-"""ECQ-SGD's fused send in Triton (``horovod_aq.torch.triton_compensated``) against the numpy
-oracle ``codec.encode_compensated``: the same payload bytes and, bit for bit, the same new
-memory h' = β·h + (g − g̃), its finiteness and ‖h'‖², for every code width, norm, bucket shape
-(the one-pass kernel and the three-pass one), two-phase chunk and coding; and the torch wire
-with it bitwise the unfused steps.
+"""ECQ-SGD's fused send in Triton (``horovod_aq.torch.triton_send``, ``triton_compensated``)
+against the numpy oracle ``codec.encode_compensated``: the same payload bytes and, bit for bit,
+the same new memory h' = β·h + (g − g̃), its finiteness and ‖h'‖², for every code width, norm,
+bucket shape (the one-pass kernel and the three-pass one), two-phase chunk and coding; the
+markers it puts in place; the torch wire with it bitwise the unfused steps, and its launches
+per bucket.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1`` is
 set below, before triton is imported); on a CUDA machine with ``TRITON_INTERPRET`` unset
@@ -40,6 +41,7 @@ from horovod_aq.levels import (  # noqa: E402
 )
 from horovod_aq.torch import compensated, kernels  # noqa: E402
 from horovod_aq.torch import triton_compensated as tc  # noqa: E402
+from horovod_aq.torch import triton_send as ts  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -109,7 +111,7 @@ def test_payload_and_memory_are_bitwise_the_oracles(bits, norm, bucket_size):
     g, h = sample(n, bucket_size, seed=bits)
     got = check(g, h, LevelTable(uniform(bits)), bucket_size, norm)
     assert got.memory_finite
-    assert tc.local_width(bucket_size) == (bucket_size if bucket_size == 256 else None)
+    assert ts.local_width(bucket_size) == (bucket_size if bucket_size == 256 else None)
 
 
 @pytest.mark.parametrize("bits, bucket_size", [(1, 256), (8, 256), (3, 2), (3, 7), (3, 256),
@@ -129,8 +131,8 @@ def test_the_three_pass_kernel_on_power_of_two_buckets(monkeypatch, bucket_size,
     g, h = sample(3 * bucket_size + 5, bucket_size, seed=bucket_size)
     table = LevelTable(uniform(3))
     one = check(g, h, table, bucket_size, norm)
-    monkeypatch.setattr(tc, "LOCAL_MAX", 1)
-    assert tc.local_width(bucket_size) is None
+    monkeypatch.setattr(ts, "LOCAL_MAX", 1)
+    assert ts.local_width(bucket_size) is None
     three = check(g, h, table, bucket_size, norm)
     assert bits_of(one.memory) == bits_of(three.memory)
 
@@ -162,12 +164,12 @@ def test_a_send_of_two_phase_chunks_reads_the_device_once_for_all_parts(monkeypa
     # the P chunks of a bucket, part k each: every payload and h' slice is the oracle's, and
     # ‖h'‖² is the parts' oracle sums added in part order (what the CPU glue adds)
     if mode == "three-pass":
-        monkeypatch.setattr(tc, "LOCAL_MAX", 1)
+        monkeypatch.setattr(ts, "LOCAL_MAX", 1)
     P, B, n = 4, 16, 150
     m = 48                                                 # chunk_numel(150, 4, 16)
     g, h = gradient(n, seed=5), gradient(n, seed=6, scale=0.2)
     table = LevelTable(uniform(2))
-    send = tc.Send(table, bucket_size=B, norm="l2", alpha=ALPHA, beta=BETA, sizes=[m] * P,
+    send = ts.Send(table, bucket_size=B, norm="l2", alpha=ALPHA, beta=BETA, sizes=[m] * P,
                    device=DEVICE)
     gd, hd = on_device(g), on_device(h)
     out = torch.full((n,), float("nan"), device=DEVICE)
@@ -252,7 +254,7 @@ def test_a_bucket_that_cannot_travel(g, h, travels, norm, bucket_size):
 def test_one_bad_part_stops_the_whole_send():
     g = gradient(64, seed=1)
     g[40] = np.inf                                        # in part 1 of 2
-    send = tc.Send(LevelTable(uniform(2)), bucket_size=16, norm="linf", alpha=ALPHA,
+    send = ts.Send(LevelTable(uniform(2)), bucket_size=16, norm="linf", alpha=ALPHA,
                    beta=BETA, sizes=[32, 32], device=DEVICE)
     gd, out = on_device(g), torch.empty(64, device=DEVICE)
     for k in range(2):
@@ -274,7 +276,7 @@ def test_arguments_are_checked():
         tc.encode_compensated(g, None, 0.5, 0.9, table, coding="x", **kwargs)
     with pytest.raises(TypeError, match="StreamKey"):
         tc.encode_compensated(g, None, 0.5, 0.9, table, bucket_size=4, key=3)
-    send = tc.Send(table, bucket_size=4, norm="l2", alpha=0.5, beta=0.9, sizes=[8, 8],
+    send = ts.Send(table, bucket_size=4, norm="l2", alpha=0.5, beta=0.9, sizes=[8, 8],
                    device=DEVICE)
     send.encode(g, None, torch.empty_like(g), KEY)
     with pytest.raises(RuntimeError, match="1 of 2 parts"):
@@ -358,12 +360,16 @@ FIRST_BAD = {
 @pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
 @pytest.mark.parametrize("case", list(FIRST_BAD))
 @pytest.mark.parametrize("parts", [1, 3])
-def test_the_send_finds_the_first_bad_element_on_the_device(case, parts):
-    # Send.first_bad (the kernel's atomic minima of g and x, then the payloads' norms) is
-    # packed.send step 2 on the host for g and x = g + α·h, over one part or three chunks
+@pytest.mark.parametrize("memory", [True, False], ids=["memory", "plain"])
+def test_the_send_puts_the_hosts_markers_in_place(case, parts, memory):
+    # Send.decide (the kernel's atomic minima of g, x and the bucket norms, then one marker
+    # launch) is packed.send step 2 on the host for g and x = g + α·h (x = g without memory),
+    # over one part or three chunks: the payloads unchanged, or the host's markers naming
+    # offset + the host's element, byte for byte
+    from horovod_aq.packed.marker import MAX_MARKER_INDEX
     from horovod_aq.packed.send import first_bad_element
 
-    B, n = 16, 200
+    B, n, offset = 16, 200, 2**32 - 120
     g, h = gradient(n, seed=5), gradient(n, seed=6, scale=0.3)
     g_at, h_at = FIRST_BAD[case]
     for (lo, hi), value in g_at:
@@ -373,15 +379,17 @@ def test_the_send_finds_the_first_bad_element_on_the_device(case, parts):
         g[h_at[0]:h_at[1]] = 3e38
     alpha = np.float32(ALPHA)
     with np.errstate(over="ignore", invalid="ignore"):
-        x = (g + alpha * h).astype(np.float32)
+        x = (g + alpha * h).astype(np.float32) if memory else g
     m = n if parts == 1 else 80   # three chunks of five buckets, the last one padded
-    sizes = [m] * parts
-    send = tc.Send(LevelTable(uniform(3)), bucket_size=B, norm="l2", alpha=ALPHA, beta=BETA,
-                   sizes=sizes, device=DEVICE)
+    table = LevelTable(uniform(3))
+    send = ts.Send(table, bucket_size=B, norm="l2", alpha=ALPHA, beta=BETA, sizes=[m] * parts,
+                   device=DEVICE, memory=memory)
     gt, ht = on_device(g), on_device(h)
     out = torch.empty_like(gt)
-    payloads = [send.encode(gt[k * m:min(n, (k + 1) * m)], ht[k * m:min(n, (k + 1) * m)],
-                            out[k * m:min(n, (k + 1) * m)], KEY) for k in range(parts)]
+    span = [slice(k * m, min(n, (k + 1) * m)) for k in range(parts)]
+    payloads = [send.encode(gt[s], ht[s] if memory else None, out[s] if memory else None, KEY)
+                for s in span]
+    kept = [p.cpu().numpy().copy() for p in payloads]
 
     def first_nonfinite(v):
         bad = ~np.isfinite(v)
@@ -396,8 +404,103 @@ def test_the_send_finds_the_first_bad_element_on_the_device(case, parts):
     want = first_bad_element(g, x, first_nonfinite=first_nonfinite,
                              peak=lambda v: float(np.max(np.abs(v))), norms=norms,
                              bucket_size=B)
-    assert int(send.first_bad(payloads)) == (-1 if want is None else want)
-    assert (send.outcome() is None) == (want is not None)
+    outcome = send.outcome()
+    sent = send.decide(offset=offset)
+    assert len(sent) == parts
+    for k, got in enumerate(sent):
+        expected = kept[k] if want is None else codec.nonfinite_payload(
+            m, table, B, "l2", min(offset + want, MAX_MARKER_INDEX))
+        assert got.cpu().numpy().tobytes() == expected.tobytes()
+    if want is None and not memory:   # the plain encode's payloads are the oracle's
+        for k, s in enumerate(span):
+            chunk = np.zeros(m, np.float32)
+            chunk[:s.stop - s.start] = g[s]
+            want_k = codec.encode(chunk, table, bucket_size=B, norm="l2", key=KEY)
+            assert kept[k].tobytes() == want_k.tobytes()
+    assert (outcome is None) == (want is not None)
+
+
+#: Device work per bucket on one rank of a settling wire with Triton's kernels, fixed codes and
+#: nothing recorded (P = 2): the send (submit) and the rest (advance, finish, settle), in
+#: kernels and torch operations that launch one (docs/gpu.md §1, "Launches per bucket"). Views,
+#: allocations and the collectives themselves are not counted; settle's three are per step.
+LAUNCHES = {("allgather", True): (4, 7), ("allgather", False): (4, 7),
+            ("two_phase", True): (6, 17), ("two_phase", False): (8, 17)}
+
+
+@interpreter_only
+@pytest.mark.parametrize("mode, feedback", list(LAUNCHES))
+def test_a_settled_bucket_launches_a_handful_of_kernels(monkeypatch, mode, feedback):
+    # counted under the interpreter: every aten operation that is not a view or an allocation,
+    # and every Triton kernel (the interpreter's run), while rank 0's wire works on the bucket;
+    # the loopback's own concatenations stand for the collectives and are not counted
+    import triton.runtime.interpreter as interpreter
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests import test_torch_wire as wire_tests
+
+    free = {"empty", "empty_like", "empty_strided", "view", "_unsafe_view", "slice", "select",
+            "as_strided", "alias", "detach", "lift_fresh", "unsqueeze", "expand", "t",
+            "reshape", "split", "split_with_sizes", "unbind", "squeeze", "narrow"}
+    counted: list[str] = []
+    state = {"on": False}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._overloadpacket.__name__
+            if state["on"] and name not in free:
+                counted.append(name)
+            return func(*args, **(kwargs or {}))
+
+    def uncounted(fn):
+        def run(*args, **kwargs):
+            was, state["on"] = state["on"], False
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                state["on"] = was
+        return run
+
+    run = interpreter.InterpretedFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        if state["on"]:
+            counted.append(self.fn.__name__)
+        return uncounted(run)(self, *args, **kwargs)
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted_run)
+    monkeypatch.setattr(wire_tests, "_concat", uncounted(torch.cat))
+    monkeypatch.setattr(kernels, "implementation_for", lambda device: "triton")
+
+    def factory():
+        q = horovod_aq.QSGD(bits=3, bucket_size=wire_tests.B, seed=wire_tests.SEED)
+        return horovod_aq.ErrorFeedback(q, alpha=ALPHA, beta=BETA) if feedback else q
+
+    P = 2
+    _, ranks = wire_tests._ranks(P, mode, factory, defer=True)
+    seen: dict[str, list[str]] = {}
+    with Count():
+        for step in range(2):   # the second step: memories exist, caches are warm
+            net = wire_tests.Network(P)
+            for comp, wire, bucket in ranks:
+                comp.step, wire.comm.net = step, net
+                bucket.reset()
+            grads = wire_tests._grads(P, seed=step)
+            seen = {"send": [], "rest": []}
+            for stage, work in (("send", [lambda w, b, g=g: w.submit(b, torch.from_numpy(g))
+                                          for g in grads]),
+                                ("rest", [lambda w, b: w.advance(b)] * P),
+                                ("rest", [lambda w, b: (w.finish(b), w.settle([b]))] * P)):
+                for r, ((_, wire, bucket), do) in enumerate(zip(ranks, work)):
+                    counted.clear()
+                    state["on"] = r == 0
+                    do(wire, bucket)
+                    state["on"] = False
+                    if r == 0:
+                        seen[stage] += counted
+    # no host read: an item() (a 0-dim tensor used as an index, say) would show here
+    assert "_local_scalar_dense" not in seen["send"] + seen["rest"]
+    got = (len(seen["send"]), len(seen["rest"]))
+    assert got == LAUNCHES[(mode, feedback)], " ".join(f"{k}: {v}" for k, v in seen.items())
 
 
 @cuda_only
@@ -452,11 +555,12 @@ def test_the_kernel_compiles_for_the_gpu_without_fma(arch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
                            "--ptx-only", "--arch", str(arch), "--ptx-kernels",
-                           "_compensated_kernel"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+                           "_send_kernel,_marker_kernel"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line.split("\t") for line in proc.stdout.strip().splitlines()]
-    assert len(rows) >= 2 and all(row[0] == "_compensated_kernel" for row in rows)
+    assert sorted({row[0] for row in rows}) == ["_marker_kernel", "_send_kernel"]
+    assert len(rows) >= 4
     assert all(row[-1] == "ok" for row in rows), rows
 
 
@@ -478,7 +582,7 @@ def test_cuda_send_waits_for_the_host_once(bucket_size):
     m = n // P
     g, h = on_device(gradient(n, seed=1)), on_device(gradient(n, seed=2, scale=0.1))
     out = torch.empty_like(g)
-    send = tc.Send(LevelTable(uniform(3)), bucket_size=bucket_size, norm="l2", alpha=ALPHA,
+    send = ts.Send(LevelTable(uniform(3)), bucket_size=bucket_size, norm="l2", alpha=ALPHA,
                    beta=BETA, sizes=[m] * P, device=DEVICE)
     tc.try_encode_compensated(g[:m], h[:m], ALPHA, BETA, LevelTable(uniform(3)),
                               bucket_size=bucket_size, key=KEY)   # compiled before the check

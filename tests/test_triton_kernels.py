@@ -31,6 +31,7 @@ from horovod_aq.levels import families  # noqa: E402
 from horovod_aq.levels.table import LevelTable  # noqa: E402
 from horovod_aq.torch import kernels as torch_kernels  # noqa: E402
 from horovod_aq.torch import triton_kernels as tk  # noqa: E402
+from horovod_aq.torch import triton_send as ts  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -62,7 +63,7 @@ def oracle(x: np.ndarray, table, bucket_size: int, norm: str, key: StreamKey) ->
 
 
 def encode(x, table, bucket_size, norm, key, **kw) -> torch.Tensor:
-    return tk.encode(torch.as_tensor(x).to(DEVICE), table, bucket_size=bucket_size, norm=norm,
+    return ts.encode(torch.as_tensor(x).to(DEVICE), table, bucket_size=bucket_size, norm=norm,
                      key=key, **kw)
 
 
@@ -138,7 +139,7 @@ def test_input_dtypes_cast_to_nearest_float32(dtype, norm):
     table = table_for(4)
     x = torch.from_numpy(sample(1999, 100, seed=5) * np.float32(3)).to(dtype)
     key = StreamKey(seed=8, rank=3, step=1)
-    got = tk.encode(x.to(DEVICE), table, bucket_size=100, norm=norm, key=key)
+    got = ts.encode(x.to(DEVICE), table, bucket_size=100, norm=norm, key=key)
     assert as_bytes(got) == oracle(x.float().numpy(), table, 100, norm, key).tobytes()
 
 
@@ -146,7 +147,7 @@ def test_any_shape_and_non_contiguous_input():
     table = table_for(2)
     x = torch.from_numpy(sample(60 * 33, 50, seed=6)).view(60, 33).t()  # a transposed view
     key = StreamKey(seed=1)
-    got = tk.encode(x.to(DEVICE), table, bucket_size=50, key=key)
+    got = ts.encode(x.to(DEVICE), table, bucket_size=50, key=key)
     assert as_bytes(got) == oracle(x.contiguous().numpy(), table, 50, "l2", key).tobytes()
 
 
@@ -340,7 +341,7 @@ def test_decode_reads_the_torch_kernels_payloads():
     x = torch.from_numpy(sample(999, 64, seed=14))
     u = torch.from_numpy(stream_uniforms(999, StreamKey(seed=9)))
     theirs = torch_kernels.encode(x, table, bucket_size=64, uniforms=u)
-    ours = tk.encode(x.to(DEVICE), table, bucket_size=64, key=StreamKey(seed=9))
+    ours = ts.encode(x.to(DEVICE), table, bucket_size=64, key=StreamKey(seed=9))
     assert as_bytes(theirs) == as_bytes(ours)
     rows = torch.stack([theirs, theirs]).to(DEVICE)
     assert as_bytes(tk.decode_average(rows, table)) == as_bytes(
@@ -370,21 +371,30 @@ def test_corrupt_payloads_are_refused_like_the_oracle(monkeypatch, corrupt):
         assert ("code 7" if corrupt == "code" else "negative or non-finite") in message
 
 
-@pytest.mark.parametrize("corrupt", [None, "code", "negative-norm", "nan-norm"])
+@pytest.mark.parametrize("corrupt", [None, "code", "negative-norm", "nan-norm", "header",
+                                     "marker"])
 def test_flagged_rows_decode_without_refusing(corrupt):
     """``decode_rows_flagged`` (the wire's decode, no host sync): the oracle's average with
-    every flag True, and a False flag instead of an error on a corrupt row."""
+    the flag 0, and a raised flag instead of an error on a corrupt row — a code past the table,
+    a bad norm, or (checked by the kernel against ``head``) another header: a changed byte, a
+    non-finite marker in the last row."""
     table = LevelTable([-1.0, -0.2, 0.1, 0.7, 1.0], 1)
     rows_np = np.stack([oracle(sample(200, 64, seed=20 + r), table, 64, "l2", StreamKey(seed=r))
                         for r in range(3)])
+    head = torch.from_numpy(rows_np[0, :32].copy()).to(DEVICE)
     if corrupt == "code":
         rows_np[1, -1] = 0xFF
+    elif corrupt == "header":
+        rows_np[1, 5] ^= 1
+    elif corrupt == "marker":
+        rows_np[2] = codec.nonfinite_payload(200, table, 64, "l2", 17)
     elif corrupt:
         value = {"negative-norm": -1.0, "nan-norm": np.nan}[corrupt]
         rows_np[2, 32:36] = np.frombuffer(np.float32(value).tobytes(), np.uint8)
     header = codec.parse_header(rows_np[0, :32])
-    out, flags = tk.decode_rows_flagged(torch.from_numpy(rows_np).to(DEVICE), header, table, True)
-    assert bool(torch.stack(flags).all()) == (corrupt is None)
+    out, flag = tk.decode_rows_flagged(torch.from_numpy(rows_np).to(DEVICE), header, table, True,
+                                       head=head)
+    assert (int(flag[0]) == 0) == (corrupt is None)
     if corrupt is None:
         assert as_bytes(out) == codec.decode_average(rows_np, table).tobytes()
 
@@ -440,7 +450,7 @@ def test_non_finite_input_raises_the_torch_kernels_error(dtype, bad, norm):
     x[200] = bad
     table, key = table_for(3), StreamKey(seed=1)
     message = same_error(
-        lambda: tk.encode(x.to(DEVICE), table, bucket_size=64, norm=norm, key=key),
+        lambda: ts.encode(x.to(DEVICE), table, bucket_size=64, norm=norm, key=key),
         lambda: torch_kernels.encode(x, table, bucket_size=64, norm=norm,
                                      uniforms=torch.zeros(300)))
     assert "2 of 300" in message and "index 70" in message
@@ -450,21 +460,21 @@ def test_non_finite_input_raises_the_torch_kernels_error(dtype, bad, norm):
 def test_norm_overflow_and_bad_input_raise_the_torch_kernels_errors():
     table, key = table_for(3), StreamKey(seed=1)
     big = torch.full((10,), 3e38)
-    message = same_error(lambda: tk.encode(big.to(DEVICE), table, bucket_size=4, key=key),
+    message = same_error(lambda: ts.encode(big.to(DEVICE), table, bucket_size=4, key=key),
                          lambda: torch_kernels.encode(big, table, bucket_size=4))
     assert "bucket 0" in message
     ints = torch.arange(10)
-    same_error(lambda: tk.encode(ints.to(DEVICE), table, bucket_size=4, key=key),
+    same_error(lambda: ts.encode(ints.to(DEVICE), table, bucket_size=4, key=key),
                lambda: torch_kernels.encode(ints, table, bucket_size=4))
-    same_error(lambda: tk.encode(np.zeros(3), table, bucket_size=4, key=key),
+    same_error(lambda: ts.encode(np.zeros(3), table, bucket_size=4, key=key),
                lambda: torch_kernels.encode(np.zeros(3), table, bucket_size=4), TypeError)
     x = torch.zeros(10, device=DEVICE)
     with pytest.raises(ValueError, match="bucket_size"):
-        tk.encode(x, table, bucket_size=0, key=key)
+        ts.encode(x, table, bucket_size=0, key=key)
     with pytest.raises(ValueError, match="unknown norm"):
-        tk.encode(x, table, bucket_size=4, norm="l1", key=key)
+        ts.encode(x, table, bucket_size=4, norm="l1", key=key)
     with pytest.raises(TypeError, match="StreamKey"):
-        tk.encode(x, table, bucket_size=4, key=5)
+        ts.encode(x, table, bucket_size=4, key=5)
 
 
 def _payload(table, n=100, bucket_size=16, norm="l2", rank=0) -> np.ndarray:
@@ -517,14 +527,14 @@ def test_foreign_payloads_raise_the_torch_kernels_errors():
 
 def test_availability_is_reported():
     assert tk.available() and tk.unavailable_reason() is None
-    tk.encode(torch.zeros(3, device=DEVICE), table_for(1), bucket_size=2, key=StreamKey(seed=0))
+    ts.encode(torch.zeros(3, device=DEVICE), table_for(1), bucket_size=2, key=StreamKey(seed=0))
     assert tk.interpreting() is INTERPRET
 
 
 @cuda_only
 def test_cpu_tensors_are_refused_outside_the_interpreter():
     with pytest.raises(RuntimeError, match="CUDA tensors"):
-        tk.encode(torch.zeros(3), table_for(1), bucket_size=2, key=StreamKey(seed=0))
+        ts.encode(torch.zeros(3), table_for(1), bucket_size=2, key=StreamKey(seed=0))
 
 
 # ------------------------------------------------------------------------------- CUDA sizes
@@ -542,7 +552,7 @@ def test_cuda_large_inputs_are_the_oracle(bits, norm):
     rows_np = np.stack([oracle(x * np.float32(r + 1), table, bucket_size, norm,
                                StreamKey(seed=bits, rank=r)) for r in range(2)])
     x_cuda = torch.from_numpy(x).to(DEVICE)
-    got = torch.stack([tk.encode(x_cuda * (r + 1), table, bucket_size=bucket_size, norm=norm,
+    got = torch.stack([ts.encode(x_cuda * (r + 1), table, bucket_size=bucket_size, norm=norm,
                                  key=StreamKey(seed=bits, rank=r)) for r in range(2)])
     assert as_bytes(got) == rows_np.tobytes()
     assert as_bytes(tk.decode_average(got, table)) == codec.decode_average(rows_np,
@@ -556,7 +566,7 @@ def test_cuda_bucket_of_two_to_the_twenty(norm):
     n = 2**20 * 2 + 5
     x = sample(n, 2**20, seed=17)
     key = StreamKey(seed=17)
-    got = tk.encode(torch.from_numpy(x).to(DEVICE), table, bucket_size=2**20, norm=norm, key=key)
+    got = ts.encode(torch.from_numpy(x).to(DEVICE), table, bucket_size=2**20, norm=norm, key=key)
     assert as_bytes(got) == oracle(x, table, 2**20, norm, key).tobytes()
 
 
@@ -583,11 +593,11 @@ def test_checksummed_payloads_are_the_oracles_and_are_verified(n):
     table, key = table_for(3, version=6), StreamKey(seed=8, rank=1, step=2)
     x = sample(n, 64, seed=21) if n else np.zeros(0, np.float32)
     want = codec.encode(x, table, bucket_size=64, key=key, checksum=True)
-    got = tk.encode(torch.from_numpy(x).to(DEVICE), table, bucket_size=64, key=key,
+    got = ts.encode(torch.from_numpy(x).to(DEVICE), table, bucket_size=64, key=key,
                     checksum=True)
     assert as_bytes(got) == want.tobytes()
     out = torch.empty(want.size, dtype=torch.uint8, device=DEVICE)
-    tk.encode(torch.from_numpy(x).to(DEVICE), table, bucket_size=64, key=key, checksum=True,
+    ts.encode(torch.from_numpy(x).to(DEVICE), table, bucket_size=64, key=key, checksum=True,
               out=out)
     assert as_bytes(out) == want.tobytes()
     if not n:

@@ -9,13 +9,13 @@ buffer, with the wire's stream key and timing (``Wire.timed_encode``):
 
 * **CPU**: ``codec.fused_compensated.try_encode_compensated`` on zero-copy numpy views, part
   by part;
-* **CUDA** (Triton): ``torch.triton_compensated.Send``: every part is launched without a host
+* **CUDA** (Triton): ``torch.triton_send.Send``: every part is launched without a host
   sync, then one device→host copy of the flags and per-bucket sums decides whether the bucket
   travels (the entropy-coded wire and checksums add their own host round trips per part, as in
   the unfused encode);
 * **CUDA, decided on the device** (a wire that settles, ``Wire.defer``; fixed-width codes, no
   checksums, not while recording): the same launches, then the markers chosen on the device
-  (``Send.first_bad``, ``torch.markers``), h' swapped into the memory at once, and the outcome
+  (``Send.decide``), h' swapped into the memory at once, and the outcome
   read at the step's end by ``Wire.settle`` with the step's other flags (docs/dynamic.md §2.6).
 
 h' goes into the memory's spare buffer (``ErrorMemory.spare``; allocated the first time), is
@@ -71,9 +71,7 @@ def encode_compensated(wire: Any, bucket: Any, raw: torch.Tensor) -> Fused | Non
         out = torch.empty_like(g)
     spans = part_spans(bucket.mode, bucket.numel, wire.ranks, wire.q.bucket_size)
     if _decided_on_device(wire, bucket, g):
-        payloads, sent, install = _triton_on_device(wire, bucket, g, h, out, spans)
-        _tap(wire, bucket, g, payloads)
-        return Fused(sent, install)
+        return _triton_on_device(wire, bucket, g, h, out, spans)
     parts = (_triton_parts if kernels.implementation_for(g.device) == "triton"
              else _compiled_parts)
     found = parts(wire, bucket, g, h, out, spans)
@@ -134,12 +132,12 @@ def _compiled_parts(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | N
 
 def _launched(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | None,
               out: torch.Tensor, spans: list[tuple[int, int, int]]) -> tuple[Any, list]:
-    """CUDA: every part launched by ``triton_compensated.Send`` without waiting: the send and
+    """CUDA: every part launched by ``triton_send.Send`` without waiting: the send and
     its payloads as they travel (entropy-coded or sealed where the wire says so)."""
-    from horovod_aq.torch import triton_compensated
+    from horovod_aq.torch import triton_compensated, triton_send
 
     q, memory = wire.q, wire.memory
-    send = triton_compensated.Send(bucket.table, bucket_size=q.bucket_size, norm=q.norm,
+    send = triton_send.Send(bucket.table, bucket_size=q.bucket_size, norm=q.norm,
                                    alpha=memory.alpha, beta=memory.beta,
                                    sizes=[size for _, _, size in spans], device=g.device)
     payloads = []
@@ -163,22 +161,16 @@ def _triton_parts(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | Non
 
 
 def _triton_on_device(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | None,
-                      out: torch.Tensor, spans: list[tuple[int, int, int]]
-                      ) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
+                      out: torch.Tensor, spans: list[tuple[int, int, int]]) -> Fused:
     """CUDA, nothing read on the host: every part launched (:func:`_launched`; fixed-width
-    payloads), the first bad element found on the device (``Send.first_bad``) and each payload
-    replaced by its marker where there is one (``torch.markers``). Returns the payloads, what
-    is sent, and the install: h' becomes the memory at once (``ErrorMemory.swap_in``), and
-    ``Wire.settle`` reads the send's outcome at the step's end with the step's other flags,
-    keeping h' or giving h back (``ErrorMemory.settle_swap``)."""
-    from horovod_aq.torch import markers
-
-    q, memory = wire.q, wire.memory
+    payloads), shown to the tap, then each replaced in place by its marker where the kernel
+    found a bad element (``Send.decide``: one launch). The install: h' becomes the memory at
+    once (``ErrorMemory.swap_in``), and ``Wire.settle`` reads the send's outcome at the step's
+    end with the step's other flags, keeping h' or giving h back (``ErrorMemory.settle_swap``)."""
+    memory = wire.memory
     send, payloads = _launched(wire, bucket, g, h, out, spans)
-    bad = send.first_bad(payloads)
-    sent = markers.markers_or(payloads, bad, numel=spans[0][2], table=bucket.table,
-                              bucket_size=q.bucket_size, norm=q.norm)
+    _tap(wire, bucket, g, payloads)
 
     def install() -> None:
         wire.hold_send(bucket.key, send, out, memory.swap_in(bucket.key, out), g)
-    return payloads, sent, install
+    return Fused(send.decide(), install)

@@ -8,7 +8,7 @@ rows of any lengths and kinds. Where each runs (``kernels.implementation_for``):
 * **CPU** ("fused"): the compiled numba kernels, zero copy — ``codec.fused_entropy.
   encode_entropy`` (quantizer with one code per byte, histogram, model on the host, compiled
   rANS) and ``codec.fused.decode`` / ``decode_average`` (read both kinds).
-* **CUDA with Triton** ("triton"), encode: the fixed-width payload of ``triton_kernels.encode``
+* **CUDA with Triton** ("triton"), encode: the fixed-width payload of ``triton_send.encode``
   (same codes as every kernel), its codes unpacked on the device, their histogram
   (``torch.bincount``, one host round trip, which the payload's size needs anyway), the code
   table and product model on the host (``entropy_format``, shared by every implementation), the
@@ -58,7 +58,7 @@ from horovod_aq.codec.entropy_format import (
 )
 from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels.table import LevelTable
-from horovod_aq.torch import kernels, triton_kernels
+from horovod_aq.torch import kernels, triton_send
 from horovod_aq.torch.payload import as_float32_flat, seal_checksum
 
 __all__ = ["decode", "decode_average", "decode_each", "device_values", "encode_entropy"]
@@ -88,7 +88,7 @@ def encode_entropy_triton(x: torch.Tensor, levels: LevelTable | Any, *, bucket_s
     ``TRITON_INTERPRET=1``): codes of the fixed-width payload, histogram, host model,
     ``triton_entropy.encode_symbols``, assembled on x's device (docs/format.md §12 layout)."""
     table = codec.as_table(levels)
-    fixed = triton_kernels.encode(x, table, bucket_size=bucket_size, norm=norm, key=key)
+    fixed = triton_send.encode(x, table, bucket_size=bucket_size, norm=norm, key=key)
     return entropy_of_fixed(fixed, table, x.numel(), bucket_size, checksum=checksum)
 
 

@@ -57,7 +57,7 @@ from horovod_aq.codec.stream import (
     philox4x32,
 )
 from horovod_aq.levels.table import LevelTable
-from horovod_aq.torch import triton_kernels
+from horovod_aq.torch import triton_kernels, triton_send
 from horovod_aq.torch.level_cells import DeviceTable, device_table
 from horovod_aq.torch.payload import (
     CACHE_ENTRIES,
@@ -394,7 +394,7 @@ def encode(
                                                  bucket_size=bucket_size, norm=norm, key=key,
                                                  checksum=checksum))
         if impl == "triton":
-            return triton_kernels.encode(x, levels, bucket_size=bucket_size, norm=norm, key=key,
+            return triton_send.encode(x, levels, bucket_size=bucket_size, norm=norm, key=key,
                                          checksum=checksum, checked=checked)
     table, bucket_size, norm, flat, norms, u = _prepare(x, levels, bucket_size, norm, uniforms)
     n, bits = flat.numel(), table.bits
@@ -584,8 +584,14 @@ def decode_flagged(rows: torch.Tensor, levels: LevelTable | Any, *, numel: int,
                                                                   bucket_size):
         return None
     expected = header_tensor(numel, table, bucket_size, norm, rows.device)
-    same = (rows[:, :HEADER_SIZE] == expected).all()
     impl = implementation_for(rows.device)
+    header = codec.parse_header(codec.make_header(numel, table, bucket_size, norm))
+    if impl == "triton" and numel:   # one flag the kernels raise, the headers' check included
+        flag = torch.zeros(1, dtype=torch.int32, device=rows.device)
+        out, _ = triton_kernels.decode_rows_flagged(rows, header, table, average,
+                                                    head=expected, flag=flag)
+        return out, flag[0] == 0
+    same = (rows[:, :HEADER_SIZE] == expected).all()
     if impl == "fused":
         if not bool(same):   # host memory: no synchronisation
             return None
@@ -598,18 +604,8 @@ def decode_flagged(rows: torch.Tensor, levels: LevelTable | Any, *, numel: int,
         except PayloadError:
             return None
         return out, same
-    header = codec.parse_header(codec.make_header(numel, table, bucket_size, norm))
     valid = [same]
-    if impl == "triton":
-        if average:
-            out, flags = triton_kernels.decode_rows_flagged(rows, header, table, True)
-            valid += flags
-        else:
-            parts = [triton_kernels.decode_rows_flagged(rows[r:r + 1], header, table, False)
-                     for r in range(rows.shape[0])]
-            out = torch.cat([part for part, _ in parts])
-            valid += [flag for _, flags in parts for flag in flags]
-    elif average:
+    if average:   # (torch ops; with Triton only for no coordinates)
         out = _average_checked(rows, [header] * rows.shape[0], table, valid)
     else:
         out = torch.cat([_decode_checked(row, header, table, valid) for row in rows])

@@ -1,27 +1,28 @@
-"""Triton kernels for the horovod_aq payload: ``encode`` and ``decode_average`` at memory speed.
+"""Triton kernels for the horovod_aq payload: the shared device arithmetic, the bucket norms and
+``decode_average`` at memory speed (the encode is ``horovod_aq.torch.triton_send.encode``).
 
 The same bytes as the numpy oracle (``horovod_aq.codec``, arithmetic in ``docs/format.md`` §5,
 random stream §6) and as ``horovod_aq.torch.kernels``, on CUDA tensors; CPU tensors run only
 under Triton's interpreter (``TRITON_INTERPRET=1``, how CI proves the kernels byte-exact)::
 
-    payload = encode(grad, table, bucket_size=512, key=StreamKey(seed, rank, step, bucket))
     avg = decode_average(gathered.view(world, -1), table).view_as(grad)
 
 Kernels: bucket norms (one tile of whole buckets per program; buckets wider than ``NORM_BLOCK``
-are reduced in several passes that keep the canonical pairwise order), then quantize + pack
-(groups of 8 codes = ``bits`` bytes; Philox4x32-10 per 4 coordinates), and a decode kernel that
-adds the P rows in rank order. Divisions use ``tl.div_rn`` (IEEE), kernels are compiled with
-``enable_fp_fusion=False`` (no FMA), float64 only in the l2 sums. Headers are made and checked on
-the host with the helpers of ``horovod_aq.torch.payload``; ``encode`` makes one host sync (the
-finiteness of the bucket norms; none with ``checked``), the decoders copy the 32-byte headers to
-the host once and sync once at the end on one flag: every norm finite and ≥ 0, and — for tables
-with N < 2^b levels, where a corrupt code decodes to NaN through the padded lookup — no NaN in
-the result (one more read of the result; with valid norms and levels a NaN arises only so). A
+are reduced in several passes that keep the canonical pairwise order), the device helpers of
+quantize + pack (groups of 8 codes = ``bits`` bytes; Philox4x32-10 per 4 coordinates) that the
+one-pass send kernel of ``triton_send`` uses, and a decode kernel that adds the P rows in rank
+order. Divisions use ``tl.div_rn`` (IEEE), kernels are compiled with ``enable_fp_fusion=False``
+(no FMA), float64 only in the l2 sums.
+
+The decoders copy the 32-byte headers to the host once (``horovod_aq.torch.payload``) and sync
+once at the end on one flag, which the decode kernel raises itself (atomic max): a norm not
+finite or < 0, or — for tables with N < 2^b levels, where a corrupt code decodes to NaN through
+the padded lookup — a NaN in the result (with valid norms and levels a NaN arises only so). A
 bad payload is then decoded by the numpy oracle on a host copy, which raises its
-``PayloadError``. ``decode_rows_flagged`` returns that flag instead of reading it (the wire's
-``kernels.decode_flagged``). Checksummed
-payloads (``FLAG_CHECKSUM``) are CRC-32'd on the host (``horovod_aq.torch.payload``:
-``seal_checksum``, ``verify_checksums``).
+``PayloadError``. ``decode_rows_flagged`` returns that flag instead of reading it, and with
+``head`` also raises it where a row's header differs (the wire's ``kernels.decode_flagged``:
+markers, joined ranks, another table). Checksummed payloads (``FLAG_CHECKSUM``) are CRC-32'd on
+the host (``horovod_aq.torch.payload``: ``seal_checksum``, ``verify_checksums``).
 
 ``import triton`` happens at the first call (``available()`` says whether it can), and the
 kernels are jitted then, so ``TRITON_INTERPRET`` must be set before the first call.
@@ -38,13 +39,12 @@ import numpy as np
 import torch
 
 from horovod_aq import codec
-from horovod_aq.codec import HEADER_SIZE, NORM_BYTES
-from horovod_aq.codec.stream import MAX_STREAM_NUMEL, StreamKey
+from horovod_aq.codec import HEADER_SIZE
 from horovod_aq.levels.table import LevelTable
 from horovod_aq.torch import payload as common
 
-__all__ = ["available", "decode", "decode_average", "decode_rows_flagged", "encode",
-           "interpreting", "unavailable_reason"]
+__all__ = ["available", "decode", "decode_average", "decode_rows_flagged", "interpreting",
+           "unavailable_reason"]
 
 #: Elements of one norm tile (float64 in the l2 kernel). Buckets up to this width (rounded up
 #: to a power of two) take one pass; wider ones are first reduced to this width (module doc).
@@ -53,7 +53,6 @@ NORM_BLOCK = 4096
 ENCODE_GROUPS = 128
 DECODE_GROUPS = 128
 NUM_WARPS = 4
-_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 tl: Any = None  # triton.language, bound by _kernels()
 _STATE: dict[str, Any] = {}
@@ -250,30 +249,10 @@ def _store_packed(code, out_ptr, first, nbytes, BITS: tl.constexpr, GROUPS: tl.c
     tl.store(out_ptr + dst, byte.to(tl.uint8), mask=(t[None, :] < BITS) & (dst < nbytes))
 
 
-def _encode_kernel(x_ptr, norms_ptr, lev_ptr, gap_ptr, out_ptr, n, bucket_size, log_bucket,
-                   nlev, nbytes, k0, k1, c1, c2, c3,
-                   BITS: tl.constexpr, GROUPS: tl.constexpr, POW2_BUCKET: tl.constexpr,
-                   WIDE: tl.constexpr):
-    """Normalize, locate, draw, round and pack 8·GROUPS coordinates (GROUPS·BITS bytes)."""
-    pid = tl.program_id(0)
-    if WIDE:
-        pid = pid.to(tl.int64)
-    first = pid * (GROUPS * 8)
-    ctr = tl.arange(0, 2 * GROUPS)  # Philox counters of this block: 4 coordinates each
-    word = tl.arange(0, 4)
-    i = first + ctr[:, None] * 4 + word[None, :]
-    live = i < n
-    x = tl.load(x_ptr + i, mask=live, other=0.0).to(tl.float32)
-    nrm = tl.load(norms_ptr + _bucket_of(i, bucket_size, log_bucket, POW2_BUCKET), mask=live,
-                  other=1.0)
-    code = _codes(x, nrm, live, first, ctr, word, lev_ptr, gap_ptr, nlev, k0, k1, c1, c2, c3,
-                  BITS)
-    _store_packed(code, out_ptr, first, nbytes, BITS, GROUPS)
-
-
 def _decoded_row(codes_ptr, norms_ptr, lookup_ptr, src, src_mask, bucket, live, t,
                  BITS: tl.constexpr):
-    """x̂ = n_bucket · L[code] (float32) of one row's 8·GROUPS coordinates."""
+    """(x̂ = n_bucket · L[code] (float32) of one row's 8·GROUPS coordinates, 1 where a live
+    coordinate's norm is not finite and ≥ 0, else 0)."""
     raw = tl.load(codes_ptr + src, mask=src_mask, other=0)
     if BITS <= 4:
         word = tl.sum(raw.to(tl.uint32) << ((t * 8) & 31).to(tl.uint32)[None, :], axis=1)
@@ -283,18 +262,35 @@ def _decoded_row(codes_ptr, norms_ptr, lookup_ptr, src, src_mask, bucket, live, 
         code = (word[:, None] >> (t * BITS).to(tl.uint64)[None, :]) & ((1 << BITS) - 1)
     level = tl.load(lookup_ptr + code.to(tl.int32))  # NaN past the table (corrupt codes)
     nrm = tl.load(norms_ptr + bucket, mask=live, other=0.0)
-    return nrm * level
+    bad = tl.max(tl.where((nrm >= 0.0) & (nrm < float("inf")), 0, 1))   # NaN fails both
+    return nrm * level, bad
 
 
-def _decode_kernel(rows_ptr, row_stride, norms_ptr, norm_stride, lookup_ptr, out_ptr, n,
-                   bucket_size, log_bucket, nbytes, codes_at, world, world_f,
+def _header_differs(row_ptr, h, want, mine):
+    """1 where ``mine`` and the header bytes h at ``row_ptr`` are not ``want``, else 0."""
+    got = tl.load(row_ptr + h, mask=mine, other=0)
+    return tl.max(tl.where(mine & (got != want), 1, 0))
+
+
+def _decode_kernel(rows_ptr, row_stride, norms_ptr, norm_stride, lookup_ptr, out_ptr, flag_ptr,
+                   head_ptr, n, bucket_size, log_bucket, nbytes, codes_at, world, world_f,
                    BITS: tl.constexpr, GROUPS: tl.constexpr, AVERAGE: tl.constexpr,
-                   POW2_BUCKET: tl.constexpr, WIDE: tl.constexpr):
+                   POW2_BUCKET: tl.constexpr, WIDE: tl.constexpr, CHECK_NAN: tl.constexpr,
+                   HEAD: tl.constexpr, HEADER: tl.constexpr):
     """acc = x̂⁽⁰⁾/P; acc += x̂⁽ᵖ⁾/P for p = 1 … P−1 in float32 (divided before the sum, so no
-    overflow; no division unless AVERAGE), 8·GROUPS coordinates per program (codec step 7)."""
+    overflow; no division unless AVERAGE), 8·GROUPS coordinates per program (codec step 7) —
+    or, with ``world`` 1 and a second grid axis r, row r alone into out[r·n:(r+1)·n] (the rows
+    concatenated). flag ← 1 (atomic max) where a norm is not finite and ≥ 0, or — CHECK_NAN,
+    tables of N < 2^b levels — acc holds a NaN (a code past the table), or — HEAD, checked by
+    a row's program 0 — a row's 32 header bytes are not ``head``'s."""
     pid = tl.program_id(0)
+    r = tl.program_id(1)
     if WIDE:
         pid = pid.to(tl.int64)
+        r = r.to(tl.int64)
+    rows_ptr += r * row_stride
+    norms_ptr += r * norm_stride
+    out_ptr += r * n
     first = pid * (GROUPS * 8)
     grp = tl.arange(0, GROUPS)
     t = tl.arange(0, 8)
@@ -304,30 +300,40 @@ def _decode_kernel(rows_ptr, row_stride, norms_ptr, norm_stride, lookup_ptr, out
     src = (first // 8 + grp)[:, None] * BITS + t[None, :]
     src_mask = (t[None, :] < BITS) & (src < nbytes)
     row = rows_ptr + codes_at
-    acc = _decoded_row(row, norms_ptr, lookup_ptr, src, src_mask, bucket, live, t, BITS)
+    acc, bad = _decoded_row(row, norms_ptr, lookup_ptr, src, src_mask, bucket, live, t, BITS)
+    if HEAD:
+        h = tl.arange(0, HEADER)
+        mine = (tl.zeros_like(h) + pid) == 0   # a block: the interpreter takes no 0-d mask
+        want = tl.load(head_ptr + h)
+        bad = tl.maximum(bad, _header_differs(rows_ptr, h, want, mine))
     if AVERAGE:
         acc = tl.div_rn(acc, world_f)
     nrm_row = norms_ptr
     for _ in range(1, world):
         row += row_stride
         nrm_row += norm_stride
-        value = _decoded_row(row, nrm_row, lookup_ptr, src, src_mask, bucket, live, t, BITS)
+        value, bad_p = _decoded_row(row, nrm_row, lookup_ptr, src, src_mask, bucket, live, t,
+                                    BITS)
         if AVERAGE:
             value = tl.div_rn(value, world_f)
         acc = acc + value
+        bad = tl.maximum(bad, bad_p)
+        if HEAD:
+            bad = tl.maximum(bad, _header_differs(row - codes_at, h, want, mine))
     tl.store(out_ptr + i, acc, mask=live)
+    if CHECK_NAN:
+        bad = tl.maximum(bad, tl.max(tl.where(live & (acc != acc), 1, 0)))
+    tl.atomic_max(flag_ptr, bad, mask=bad > 0)
 
 
 _HELPERS = ("_philox", "_bucket_of", "_locate", "_norm_values", "_codes", "_store_packed",
-            "_decoded_row")
-_KERNELS = ("_norm_kernel", "_partial_kernel", "_encode_kernel", "_decode_kernel")
+            "_decoded_row", "_header_differs")
+_KERNELS = ("_norm_kernel", "_partial_kernel", "_decode_kernel")
 #: Runtime scalars that must not be specialized (a key word equal to 1, a size divisible by
 #: 16 …): one compiled variant per set of constexprs, whatever the values.
 _NO_SPECIALIZE = {
     "_norm_kernel": ["n", "bucket_size", "num_buckets"],
     "_partial_kernel": ["n", "bucket_size", "src_width", "dst_width", "per_bucket"],
-    "_encode_kernel": ["n", "bucket_size", "log_bucket", "nlev", "nbytes", "k0", "k1", "c1",
-                       "c2", "c3"],
     "_decode_kernel": ["row_stride", "norm_stride", "n", "bucket_size", "log_bucket", "nbytes",
                        "codes_at", "world"],
 }
@@ -412,16 +418,6 @@ def _launch(kernel, grid, *args, **constexprs) -> None:
     kernel[grid](*args, **constexprs, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
-def _flat_input(x: torch.Tensor) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype == torch.float64:
-        return x.detach().reshape(-1).to(torch.float32).contiguous()  # rounds to nearest
-    if x.dtype not in _INPUT_DTYPES:
-        raise ValueError(f"expected a floating-point gradient, got dtype {x.dtype}")
-    return x.detach().reshape(-1).contiguous()  # fp16/bf16 are cast inside the kernels
-
-
 def _bucket_norms(flat: torch.Tensor, norms: torch.Tensor, bucket_size: int, norm: str, *,
                   squares: bool = False) -> None:
     """Fill ``norms`` (float32, ⌈n/B⌉) with the bucket norms of ``flat`` (codec step 2); with
@@ -449,125 +445,53 @@ def _bucket_norms(flat: torch.Tensor, norms: torch.Tensor, bucket_size: int, nor
             SQUARES=squares)
 
 
-def _output(out: torch.Tensor | None, size: int, device) -> torch.Tensor:
-    if out is None:
-        return torch.empty(size, dtype=torch.uint8, device=device)
-    if (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1
-            or out.numel() != size or out.device != device or not out.is_contiguous()):
-        raise ValueError(
-            f"out must be a contiguous 1-D uint8 tensor of {size} bytes on {device}, got "
-            f"{getattr(out, 'dtype', type(out))} of shape {tuple(getattr(out, 'shape', ()))}")
-    return out
-
-
-def encode(
-    x: torch.Tensor,
-    levels: LevelTable | Any,
-    *,
-    bucket_size: int,
-    norm: str = "l2",
-    key: StreamKey,
-    out: torch.Tensor | None = None,
-    checksum: bool = False,
-    checked: bool = False,
-) -> torch.Tensor:
-    """Quantize and pack x into a uint8 payload on x's device: ``codec.encode(x, levels,
-    bucket_size=, norm=, key=key, checksum=checksum)`` byte for byte.
-
-    Args:
-        x: gradient of any shape; float16/bfloat16/float32 (float64 is cast first), finite.
-        levels: a ``LevelTable`` (or an array, taken as version 0).
-        bucket_size, norm: as in ``codec.encode``.
-        key: the random stream (``codec.stream.StreamKey``: seed, rank, step, bucket, part).
-        out: optional contiguous uint8 tensor of ``payload_size`` bytes to write into; nothing
-            is written to it when the input is rejected.
-        checksum: write ``FLAG_CHECKSUM`` and the CRC-32 (computed on the host).
-        checked: x is known to be finite with norms within float32 (``kernels.encode``): no
-            check, no host sync.
-
-    Raises ``ValueError`` with the messages of ``horovod_aq.torch.kernels.encode`` for
-    non-finite input or an overflowing norm (found on the device, one host sync), unless
-    ``checked``.
-    """
-    checksum = codec.check_bool("checksum", checksum)
-    checked = codec.check_bool("checked", checked)
-    table = codec.as_table(levels)
-    bucket_size = codec.check_bucket_size(bucket_size)
-    norm = codec.check_norm(norm)
-    if not isinstance(key, StreamKey):
-        raise TypeError(f"key must be a horovod_aq.codec.stream.StreamKey, got {key!r}")
-    flat = _flat_input(x)
-    device = flat.device
-    n, bits = flat.numel(), table.bits
-    if n > MAX_STREAM_NUMEL:
-        raise ValueError(f"the random stream indexes at most {MAX_STREAM_NUMEL} coordinates, "
-                         f"got {n}")
-    with _prepare_device(device):
-        tab = _levels(table, device)
-        nb = codec.num_buckets(n, bucket_size)
-        codes_at = HEADER_SIZE + NORM_BYTES * nb
-        payload = _output(out, codec.payload_size(n, bits, bucket_size), device)
-        if n == 0:
-            payload[:HEADER_SIZE] = common.header_tensor(n, table, bucket_size, norm, device)
-            return common.seal_checksum(payload) if checksum else payload
-        bucket = min(bucket_size, n)  # the same buckets; keeps B in int32
-        direct = out is None  # write norms into the payload only if it is ours
-        norms = (payload[HEADER_SIZE:codes_at].view(torch.float32) if direct
-                 else torch.empty(nb, dtype=torch.float32, device=device))
-        _bucket_norms(flat, norms, bucket, norm)
-        if not checked:
-            common.check_finite(flat, norms)  # one sync; raises the torch kernels' errors
-        payload[:HEADER_SIZE] = common.header_tensor(n, table, bucket_size, norm, device)
-        if not direct:
-            payload[HEADER_SIZE:codes_at] = norms.view(torch.uint8)
-        k0, k1, c1, c2, c3 = (v - 2**32 if v >= 2**31 else v for v in key.scalars())
-        pow2 = bucket & (bucket - 1) == 0
-        groups = ENCODE_GROUPS
-        grid = (-(-n // (8 * groups)),)
-        _launch(_kernels()["_encode_kernel"], grid, flat, norms, tab.search, tab.gaps,
-                payload[codes_at:], n, bucket, _log2(bucket), tab.num_levels,
-                codec.packed_size(n, bits), k0, k1, c1, c2, c3, BITS=bits, GROUPS=groups,
-                POW2_BUCKET=pow2, WIDE=_wide(n))
-    return common.seal_checksum(payload) if checksum else payload
-
 
 def decode_rows_flagged(rows: torch.Tensor, header: codec.Header, table: LevelTable,
-                        average: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """float32 decode of row 0 (``average`` False) or the average of all rows of a [P, size]
-    uint8 tensor whose headers are ``header``, with the 0-dim bool device flags that are all
-    True iff every norm is finite and ≥ 0 and every code < N (no host synchronisation)."""
+                        average: bool, *, head: torch.Tensor | None = None,
+                        flag: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 decode of every row, concatenated (``average`` False), or the average of all rows
+    of a [P, size] uint8 tensor whose headers are ``header`` — one launch either way — with the
+    int32 device flag of one element that stays 0 iff every norm is finite and ≥ 0 and every
+    code < N (no host synchronisation) — and, with ``head`` (the expected 32 header bytes on
+    the device), every decoded row's header is ``head``; None for no coordinates. ``flag``:
+    that flag, to share between calls (zeroed here if None)."""
     n, bits = header.numel, header.bits
     device = rows.device
+    P = rows.shape[0]
     with _prepare_device(device):
-        out = torch.empty(n, dtype=torch.float32, device=device)
+        out = torch.empty(n if average else P * n, dtype=torch.float32, device=device)
         if n == 0:
-            return out, []
+            return out, None
         if rows.stride(1) != 1:
             rows = rows.contiguous()
-        world = rows.shape[0] if average else 1
+        world = P if average else 1   # rows added in the kernel, or one row per grid row
         codes_at = header.codes_offset
-        norms = torch.empty((world, codes_at - HEADER_SIZE), dtype=torch.uint8, device=device)
-        norms.copy_(rows[:world, HEADER_SIZE:codes_at])  # aligned float32 [P, ⌈n/B⌉]
+        norms = torch.empty((P, codes_at - HEADER_SIZE), dtype=torch.uint8, device=device)
+        norms.copy_(rows[:, HEADER_SIZE:codes_at])  # aligned float32 [P, ⌈n/B⌉]
         norms = norms.view(torch.float32)
         tab = _levels(table, device)
         bucket = header.span  # min(B, n): the same buckets; keeps B in int32
         groups = DECODE_GROUPS
-        grid = (-(-n // (8 * groups)),)
+        grid = (-(-n // (8 * groups)), 1 if average else P)
+        if flag is None:
+            flag = torch.zeros(1, dtype=torch.int32, device=device)
         _launch(_kernels()["_decode_kernel"], grid, rows, rows.stride(0), norms, norms.stride(0),
-                tab.lookup, out, n, bucket, _log2(bucket), codec.packed_size(n, bits), codes_at,
-                world, float(world), BITS=bits, GROUPS=groups, AVERAGE=world > 1,
-                POW2_BUCKET=bucket & (bucket - 1) == 0, WIDE=_wide(n))
-        valid = [(torch.isfinite(norms) & (norms >= 0)).all()]
-        if tab.num_levels < (1 << bits):  # a code past the table is looked up as NaN
-            valid.append(~torch.isnan(out).any())
-    return out, valid
+                tab.lookup, out, flag, rows if head is None else head, n, bucket, _log2(bucket),
+                codec.packed_size(n, bits), codes_at, world, float(world), BITS=bits,
+                GROUPS=groups, AVERAGE=world > 1, POW2_BUCKET=bucket & (bucket - 1) == 0,
+                WIDE=_wide(max(out.numel(), rows.numel())),
+                CHECK_NAN=tab.num_levels < (1 << bits),  # a code past the table: NaN
+                HEAD=head is not None, HEADER=HEADER_SIZE)
+    return out, flag
 
 
 def _decode_rows(rows: torch.Tensor, header: codec.Header, table: LevelTable,
                  average: bool) -> torch.Tensor:
     """:func:`decode_rows_flagged` of validated rows, refusing bad norms and codes like the
     oracle (one sync)."""
-    out, valid = decode_rows_flagged(rows, header, table, average)
+    out, flag = decode_rows_flagged(rows, header, table, average)
+    valid = [] if flag is None else [flag[0] == 0]
     host = (lambda: codec.decode_average(rows.cpu().numpy(), table)) if average else (
         lambda: codec.decode(rows[0].cpu().numpy(), table))
     common.check_valid(valid, host)

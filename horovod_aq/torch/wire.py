@@ -16,8 +16,8 @@ Stages of a bucket (``Bucket.stage``)::
 
 1. :meth:`Wire.submit` sends the bucket's raw float32 gradient (``packed.send.send_bucket``;
    with error feedback one pass, CPU or Triton, encodes and updates the memory,
-   ``torch.compensated``; without it, on Triton, the choice of markers is made on the device
-   after the encode, ``torch.markers``):
+   ``torch.compensated``; without it, on Triton, the same one-pass kernel encodes and the
+   markers are put in place on the device after the encode, ``triton_send.Send``):
    one allgather "aq.ag.<bucket>" of the payload, or one alltoall "aq.a2a.<bucket>" of the P
    chunk payloads (markers in their place when the gradient cannot travel).
 2. :meth:`Wire.advance` (two-phase): waits for the alltoall, decides on the received chunks
@@ -53,7 +53,8 @@ exact zeros in the result and in the re-encoded chunk (docs/protocol.md §15).
 
 :attr:`Wire.tap`, when set, sees every payload the wire encodes: ``tap(bucket, part, values,
 payload)`` (part k < P: chunk k or the allgather payload; part P: a re-encoded chunk). Where the
-choice of markers is made on the device, it also sees the payload that a marker then replaces.
+markers are put in place on the device, the payload it is handed becomes the marker afterwards,
+in stream order (a copy made at once holds the payload).
 
 **Timing.** :attr:`Wire.seconds` adds up the seconds spent encoding, decoding and waiting, and
 :attr:`Wire.sent` the bytes this rank sent (telemetry; ``wire="auto"`` compares whole steps
@@ -355,20 +356,21 @@ class Wire:
             self.settle([])
         bucket.table, bucket.step = q.table, q.step
         fused = compensated.fusable(self, raw)   # error feedback fused into the encoder
+        whole = bucket.mode == "allgather"
+        send = self._send(bucket, [self._payload_numel(bucket, whole)] * (1 if whole else P),
+                          raw.device) if (self.memory is None and not q.recording
+                                          and self.decides_on_device(bucket, raw)) else None
         steps = SendSteps(compensate=lambda g: g if self.memory is None else
                           self.memory.compensate(bucket.key, g),
                           first_bad=self._first_bad, record=self._record,
                           parts=lambda x: self.parts(bucket, x),
-                          encode=lambda part, k: self._encode(bucket, part, k, checked=True),
+                          encode=lambda part, k: self._encode(bucket, part, k, checked=True,
+                                                              send=send),
                           markers=lambda bad: self._markers(bucket, bad, raw.device),
                           encode_compensated=(lambda g: compensated.encode_compensated(
                               self, bucket, g)) if fused else None,
                           recording=lambda: q.recording,
-                          decide=(lambda x, sent: self._decide(
-                              bucket, x, sent, size=self._payload_numel(
-                                  bucket, bucket.mode == "allgather")))
-                          if self.memory is None and not q.recording
-                          and self.decides_on_device(bucket, raw) else None)
+                          decide=None if send is None else lambda x, sent: send.decide())
         update = None if self.memory is None else (
             lambda g, sent: self._update_memory(bucket, g, sent))
         payloads = send_bucket(raw, steps, update)
@@ -407,16 +409,15 @@ class Wire:
         return (not bucket.variable and not q.checksum and x.dtype == torch.float32
                 and kernels.implementation_for(x.device) == "triton")
 
-    def _decide(self, bucket: Bucket, x: torch.Tensor, payloads: list[torch.Tensor], *,
-                size: int, offset: int = 0) -> list[torch.Tensor]:
-        """The payloads of x (each of ``size`` coordinates, whole buckets in order), or markers
-        of their size naming element ``offset`` + x's first bad one, chosen on the device
-        (``torch.markers``)."""
+    def _send(self, bucket: Bucket, sizes: list[int], device: torch.device) -> Any:
+        """A send without error memory whose parts (of ``sizes`` coordinates) are encoded in one
+        pass each and decided on the device (``triton_send.Send.decide``)."""
+        from horovod_aq.torch import triton_send
+
         q = self.q
-        norms = markers.payload_norms(payloads, [size] * len(payloads), q.bucket_size)
-        bad = markers.first_bad(x, norms, q.bucket_size)
-        return markers.markers_or(payloads, bad, offset=offset, numel=size, table=bucket.table,
-                                  bucket_size=q.bucket_size, norm=q.norm)
+        return triton_send.Send(bucket.table, bucket_size=q.bucket_size, norm=q.norm,
+                                       alpha=0.0, beta=0.0, sizes=sizes, device=device,
+                                       memory=False)
 
     def _chunks_failed(self, bucket: Bucket, rows: Rows) -> None:
         """Two-phase's alltoall rows that were not plain, found at :meth:`settle`: a marker or
@@ -465,12 +466,16 @@ class Wire:
         return list(padded.view(P, m))
 
     def _encode(self, bucket: Bucket, x: torch.Tensor, part: int, *,
-                checked: bool = False) -> torch.Tensor:
+                checked: bool = False, send: Any = None) -> torch.Tensor:
         """Part ``part`` of x; ``checked``: ``packed.send`` step 2 found x sendable, so a fixed
-        encode skips its own check and host sync (the re-encoded chunk has no step 2)."""
+        encode skips its own check and host sync (the re-encoded chunk has no step 2), or
+        ``send`` (:meth:`_send`) decides it after the encode."""
         q = self.q
-        encode = entropy.encode_entropy if bucket.variable else (
-            lambda *a, **k: kernels.encode(*a, **k, checked=checked))
+        if send is not None:
+            encode = lambda x, table, *, key, **_: send.encode(x, None, None, key)  # noqa: E731
+        else:
+            encode = entropy.encode_entropy if bucket.variable else (
+                lambda *a, **k: kernels.encode(*a, **k, checked=checked))
         payload = self.timed_encode(bucket, part, lambda key: encode(
             x, bucket.table, bucket_size=q.bucket_size, norm=q.norm, key=key,
             checksum=q.checksum))
@@ -620,20 +625,24 @@ class Wire:
         self.seconds["decode"] += time.perf_counter() - started
         for lo, hi in chunk_zero_spans(bucket.numel, m, self.rank, bucket.spans(bucket.gone)):
             chunk[lo:hi] = 0.0
+        # rows that were not plain (held): a marker goes instead, naming element r·m
         if self.decides_on_device(bucket, chunk):
-            payload = self._decide(bucket, chunk, [self._encode(
-                bucket, chunk, reencode_part(P), checked=True)], size=m, offset=self.rank * m)[0]
+            send = self._send(bucket, [m], chunk.device)
+            self._encode(bucket, chunk, reencode_part(P), send=send)
+            if held:
+                send.refuse(~bucket.unsettled_chunks[0])
+            [payload] = send.decide(offset=self.rank * m)
         else:
             payload = reencode_chunk(
                 chunk, self.rank, m, encode=lambda c: self._encode(bucket, c, reencode_part(P)),
                 first_bad=lambda c: self._first_bad(c, c),
                 marker=lambda bad: self._markers(bucket, bad, chunk.device, mode="allgather",
                                                  numel=m)[0])
-        if held:   # rows that were not plain: a marker goes instead, naming element r·m
-            refused = (~bucket.unsettled_chunks[0]).to(torch.int64) - 1   # 0 where not plain
-            [payload] = markers.markers_or([payload], refused, offset=self.rank * m, numel=m,
-                                           table=bucket.table, bucket_size=q.bucket_size,
-                                           norm=q.norm)
+            if held:
+                refused = (~bucket.unsettled_chunks[0]).to(torch.int64) - 1   # 0: not plain
+                [payload] = markers.markers_or([payload], refused, offset=self.rank * m,
+                                               numel=m, table=bucket.table,
+                                               bucket_size=q.bucket_size, norm=q.norm)
         self._count(0, sent_bytes("allgather", [payload.numel()], self.rank, P)[1])
         self._allgather(bucket, payload, "ag2")
 
@@ -689,7 +698,7 @@ class Wire:
     def hold_send(self, key: str, send: Any, new: torch.Tensor, old: Any,
                   raw: torch.Tensor) -> None:
         """A send with error feedback whose outcome stays on the device (``torch.compensated``):
-        ``send`` (a ``triton_compensated.Send``) wrote h' = ``new``, already the memory of
+        ``send`` (a ``triton_send.Send``) wrote h' = ``new``, already the memory of
         ``key`` in place of ``old``, for the raw gradient ``raw``. :meth:`settle` reads its
         outcome and keeps h' or gives h back (``ErrorMemory.settle_swap``)."""
         self.held.append((key, send, new, old, raw))
