@@ -416,8 +416,7 @@ class Wire:
 
         q = self.q
         return triton_send.Send(bucket.table, bucket_size=q.bucket_size, norm=q.norm,
-                                       alpha=0.0, beta=0.0, sizes=sizes, device=device,
-                                       memory=False)
+                                alpha=0.0, beta=0.0, sizes=sizes, device=device, memory=False)
 
     def _chunks_failed(self, bucket: Bucket, rows: Rows) -> None:
         """Two-phase's alltoall rows that were not plain, found at :meth:`settle`: a marker or
