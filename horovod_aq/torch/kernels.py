@@ -585,11 +585,11 @@ def decode_flagged(rows: torch.Tensor, levels: LevelTable | Any, *, numel: int,
         return None
     expected = header_tensor(numel, table, bucket_size, norm, rows.device)
     impl = implementation_for(rows.device)
-    header = codec.parse_header(codec.make_header(numel, table, bucket_size, norm))
-    if impl == "triton" and numel:   # one flag the kernels raise, the headers' check included
-        flag = torch.zeros(1, dtype=torch.int32, device=rows.device)
-        out, _ = triton_kernels.decode_rows_flagged(rows, header, table, average,
-                                                    head=expected, flag=flag)
+    header = None if impl == "fused" else codec.parse_header(
+        codec.make_header(numel, table, bucket_size, norm))
+    if impl == "triton" and numel:   # one flag the kernel raises, the headers' check included
+        out, flag = triton_kernels.decode_rows_flagged(rows, header, table, average,
+                                                       head=expected)
         return out, flag[0] == 0
     same = (rows[:, :HEADER_SIZE] == expected).all()
     if impl == "fused":

@@ -447,15 +447,13 @@ def _bucket_norms(flat: torch.Tensor, norms: torch.Tensor, bucket_size: int, nor
 
 
 def decode_rows_flagged(rows: torch.Tensor, header: codec.Header, table: LevelTable,
-                        average: bool, *, head: torch.Tensor | None = None,
-                        flag: torch.Tensor | None = None
+                        average: bool, *, head: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 decode of every row, concatenated (``average`` False), or the average of all rows
     of a [P, size] uint8 tensor whose headers are ``header`` — one launch either way — with the
     int32 device flag of one element that stays 0 iff every norm is finite and ≥ 0 and every
     code < N (no host synchronisation) — and, with ``head`` (the expected 32 header bytes on
-    the device), every decoded row's header is ``head``; None for no coordinates. ``flag``:
-    that flag, to share between calls (zeroed here if None)."""
+    the device), every decoded row's header is ``head``; None for no coordinates."""
     n, bits = header.numel, header.bits
     device = rows.device
     P = rows.shape[0]
@@ -474,8 +472,7 @@ def decode_rows_flagged(rows: torch.Tensor, header: codec.Header, table: LevelTa
         bucket = header.span  # min(B, n): the same buckets; keeps B in int32
         groups = DECODE_GROUPS
         grid = (-(-n // (8 * groups)), 1 if average else P)
-        if flag is None:
-            flag = torch.zeros(1, dtype=torch.int32, device=device)
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
         _launch(_kernels()["_decode_kernel"], grid, rows, rows.stride(0), norms, norms.stride(0),
                 tab.lookup, out, flag, rows if head is None else head, n, bucket, _log2(bucket),
                 codec.packed_size(n, bits), codes_at, world, float(world), BITS=bits,

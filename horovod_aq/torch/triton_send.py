@@ -260,8 +260,6 @@ def _output(out: torch.Tensor | None, size: int, device) -> torch.Tensor:
     return out
 
 
-
-
 def _flat(t: torch.Tensor, name: str, numel: int, device,
           dtypes: tuple = (torch.float32,)) -> torch.Tensor:
     if (not isinstance(t, torch.Tensor) or t.dtype not in dtypes or t.numel() != numel
@@ -360,7 +358,7 @@ class Send:
         table, bits = self.table, self.table.bits
         start = sum(self.buckets[:k])
         squares = self._result[start:start + nb] if self.memory else self._result[:0]
-        payload = self._payloads[self._starts[k]:self._starts[k] + self._bytes[k]]
+        payload = self._payload(k)
         with tk._prepare_device(device):
             payload[:HEADER_SIZE] = common.header_tensor(n, table, B, self.norm, device)
             if n == 0:
@@ -394,6 +392,10 @@ class Send:
                 else:
                     tk._bucket_norms(out, squares, span, "l2", squares=True)
         return payload
+
+    def _payload(self, k: int) -> torch.Tensor:
+        """Part k's payload: its bytes of the one buffer."""
+        return self._payloads[self._starts[k]:self._starts[k] + self._bytes[k]]
 
     def outcome(self) -> tuple[bool, float] | None:
         """None when a bucket of some part cannot travel; else (whether every h'_i is finite,
@@ -441,7 +443,7 @@ class Send:
         self._check_encoded()
         if len(set(self.sizes)) > 1:
             raise ValueError(f"decide needs parts of one size, got {self.sizes}")
-        payloads = [self._payloads[a:a + size] for a, size in zip(self._starts, self._bytes)]
+        payloads = [self._payload(k) for k in range(len(self.sizes))]
         total = self._starts[-1]
         if not total:
             return payloads
@@ -495,9 +497,6 @@ def encode(
     flat = _flat_input(x)
     device = flat.device
     n, bits = flat.numel(), table.bits
-    if n > MAX_STREAM_NUMEL:
-        raise ValueError(f"the random stream indexes at most {MAX_STREAM_NUMEL} coordinates, "
-                         f"got {n}")
     with tk._prepare_device(device):
         codes_at = HEADER_SIZE + NORM_BYTES * codec.num_buckets(n, bucket_size)
         size = codec.payload_size(n, bits, bucket_size)
@@ -507,11 +506,11 @@ def encode(
             payload[:HEADER_SIZE] = common.header_tensor(n, table, bucket_size, norm, device)
             return common.seal_checksum(payload) if checksum else payload
         send = Send(table, bucket_size=bucket_size, norm=norm, alpha=0.0, beta=0.0, sizes=[n],
-                    device=device, memory=False)
+                    device=device, memory=False)   # refuses n past the random stream
         encoded = send.encode(flat, None, None, key)
         if not checked and send.outcome() is None:   # one sync; raises the torch kernels' errors
             common.check_finite(flat, encoded[HEADER_SIZE:codes_at].view(torch.float32))
-            raise RuntimeError("horovod_aq.torch.triton_kernels: the encode refused input that "
+            raise RuntimeError("horovod_aq.torch.triton_send: the encode refused input that "
                                "the check accepts (please report this bug)")
         payload = encoded if target is None else target.copy_(encoded)
     return common.seal_checksum(payload) if checksum else payload
