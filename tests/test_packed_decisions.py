@@ -124,6 +124,27 @@ def test_chunk_zero_spans_cover_the_padding_and_absent_parameters():
     assert chunks.chunk_zero_spans(n, m, 2, [(6, 4), (19, 2)]) == [(5, 8), (3, 5)]
 
 
+def test_chunk_param_parts_expand_to_the_chunks_coordinates():
+    n, P = 21, 4
+    m = chunk_numel(n, P, B)                     # 8: chunks [0,8) [8,16) [16,24) [24,32)
+    offsets, numels = (0, 6, 10, 10, 19), (6, 4, 0, 9, 2)   # an empty parameter at 10
+    parts = [chunks.chunk_param_parts(n, m, r, offsets, numels) for r in range(P)]
+    assert parts == [(0, [6, 2]), (1, [2, 0, 6]), (3, [3, 2]), (0, [])]
+    for r, (first, counts) in enumerate(parts):   # np.repeat of the owners: each coordinate's
+        owner = np.repeat(np.arange(first, first + len(counts)), counts)
+        valid = chunks.chunk_valid(n, m, r)
+        want = [max(j for j in range(len(offsets)) if offsets[j] <= r * m + i and numels[j])
+                for i in range(valid)]
+        assert owner.tolist() == want
+        # the same zeros as chunk_zero_spans, for every set of absent parameters
+        for absent in ([1], [0, 4], [3]):
+            zero = np.zeros(m, bool)
+            for lo, hi in chunks.chunk_zero_spans(n, m, r, [(offsets[k], numels[k])
+                                                            for k in absent]):
+                zero[lo:hi] = True
+            assert (np.isin(owner, absent) == zero[:valid]).all()
+
+
 # ---------------------------------------------------------------- send order
 def _numpy_steps(log, ranks, mode, ef=None, name="b"):
     q = horovod_aq.QSGD(bits=3, bucket_size=B)

@@ -340,6 +340,30 @@ def test_presence_masks_zero_what_no_rank_had(kernels, defer, mode):
         np.testing.assert_array_equal(got, results[0])
 
 
+@pytest.mark.parametrize("mode, P", [("allgather", 3), ("two_phase", 3), ("two_phase", 2)])
+def test_a_settling_wire_decides_presence_masks_as_at_once(kernels, mode, P):
+    # "b" absent on one rank, then on every rank: a wire that settles keeps the masks' union on
+    # the device (two-phase zeroes the re-encoded chunk's absent parameters there) and reads it
+    # at settle, with the same results and absent parameters as a wire that decides at once
+    grads = _grads(P)
+    for absent_on in ([1], list(range(P))):
+        got = {}
+        for defer in (False, True):
+            _, ranks = _ranks(P, mode, _qsgd, masked=True, defer=defer)
+            for r, ((_, wire, bucket), g) in enumerate(zip(ranks, grads)):
+                present = [True, r not in absent_on, True]
+                x = g.copy()
+                x[40:47] = x[40:47] if present[1] else 0.0
+                wire.submit(bucket, torch.from_numpy(x), present)
+            for _, wire, bucket in ranks:
+                wire.advance(bucket)
+            got[defer] = [(_result(wire, bucket).numpy(), bucket.gone) for _, wire, bucket in ranks]
+        for (at_once, gone), (settled, settled_gone) in zip(got[False], got[True]):
+            np.testing.assert_array_equal(settled, at_once)
+            assert settled_gone == gone == ([1] if len(absent_on) == P else [])
+            assert not settled[40:47].any() or len(absent_on) < P
+
+
 def test_a_stalled_wait_ends_with_an_error_naming_the_collective():
     _, ranks = _ranks(2, "allgather", _qsgd, deadline=Deadline(0.05, step=lambda: 7))
     comp, wire, bucket = ranks[0]

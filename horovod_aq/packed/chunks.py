@@ -11,7 +11,7 @@ enter the norm of the re-encoded chunk and so add variance to the real coordinat
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 def chunk_valid(numel: int, m: int, rank: int) -> int:
@@ -36,4 +36,22 @@ def chunk_zero_spans(numel: int, m: int, rank: int,
     return spans
 
 
-__all__ = ["chunk_valid", "chunk_zero_spans"]
+def chunk_param_parts(numel: int, m: int, rank: int, offsets: Sequence[int],
+                      numels: Sequence[int]) -> tuple[int, list[int]]:
+    """Which parameters (back to back at ``offsets``, of ``numels``) rank ``rank``'s chunk of
+    ``m`` holds: the first one's position j and how many coordinates of each, j on, lie in the
+    chunk's valid part (in chunk order, adding up to ``chunk_valid``; ``(0, [])`` for a chunk of
+    padding only). Coordinate i of the chunk is the parameter's whose running count first
+    exceeds i: a device mask per parameter expands to the chunk's coordinates without a host
+    read (``chunk_zero_spans``' absent spans, from a mask that stays on the device)."""
+    start = rank * m
+    end = start + chunk_valid(numel, m, rank)
+    # offsets and ends never decrease: the overlapping parameters are one run
+    held = [j for j, (offset, n) in enumerate(zip(offsets, numels))
+            if offset < end and offset + n > start]
+    if not held:
+        return 0, []
+    return held[0], [min(offsets[j] + numels[j], end) - max(offsets[j], start) for j in held]
+
+
+__all__ = ["chunk_param_parts", "chunk_valid", "chunk_zero_spans"]

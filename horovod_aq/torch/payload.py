@@ -2,8 +2,8 @@
 Triton's in ``horovod_aq.torch.triton_kernels``): a leaf module, imported by both and importing
 neither.
 
-* device caches (:class:`DeviceCache`) and the payload header as a device tensor
-  (:func:`header_tensor`);
+* device caches (:class:`DeviceCache`), the payload header as a device tensor
+  (:func:`header_tensor`) and the wire's small per-step constants (:func:`device_constant`);
 * the float32 input (:func:`as_float32_flat`) and the encoder's finiteness check
   (:func:`check_finite`, the numpy codec's messages);
 * the host-side validation of received rows with the numpy codec's checks and messages
@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from horovod_aq import codec
@@ -56,6 +57,20 @@ class DeviceCache:
 
 
 _HEADERS = DeviceCache()
+#: Entries of the cache of small constants (a few per bucket: presence masks, chunk counts).
+CONSTANT_ENTRIES = 4096
+_CONSTANTS = DeviceCache(CONSTANT_ENTRIES)
+
+
+def device_constant(values: np.ndarray, device) -> torch.Tensor:
+    """``values`` on ``device``, copied there once and then taken from a cache keyed by their
+    bytes: a host-to-device copy that is not cached waits for the device's stream (a host
+    synchronisation, which ``torch.cuda.set_sync_debug_mode`` reports), so the small arrays a
+    step sends to the device every time (presence masks, chunk counts) come from here. Read
+    only: the tensor is shared."""
+    a = np.ascontiguousarray(values)
+    key = ("constant", a.dtype.str, a.shape, a.tobytes(), str(device))
+    return _CONSTANTS.get(key, lambda: torch.from_numpy(a.copy()).to(device))
 
 
 def header_tensor(numel: int, table: LevelTable, bucket_size: int, norm: str,

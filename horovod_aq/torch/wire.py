@@ -29,10 +29,12 @@ Stages of a bucket (``Bucket.stage``)::
    (overlapping the backward pass), when collected under Horovod. :meth:`Wire.finish` returns
    the averaged gradient and raises what a callback kept, at the same point on every rank.
 4. With ``defer`` (the optimizer's and the DDP hook's wires), plain rows are decoded on the
-   device and their flag is left unread — the final rows', and two-phase's alltoall rows of a
-   bucket without a presence mask, whose chunk goes out as a marker where the flag is False:
-   :meth:`Wire.settle`, at the step's end, reads the flags of every bucket in one copy and
-   sends a bucket whose flag is False through the checked path (docs/protocol.md §5.8).
+   device and their flag is left unread — the final rows', and two-phase's alltoall rows, whose
+   chunk goes out as a marker where the flag is False; the presence masks' union stays there
+   too, and zeroes the re-encoded chunk's absent parameters on the device:
+   :meth:`Wire.settle`, at the step's end, reads the flags and unions of every bucket in one
+   copy and sends a bucket whose flag is False through the checked path (docs/protocol.md
+   §5.8).
 
 Collectives go out in the order the caller calls :meth:`~Wire.submit` and :meth:`~Wire.advance`
 (``torch.distributed`` pairs them by issue order, so the DDP hook calls both from the hook, in
@@ -75,7 +77,7 @@ import torch
 from horovod_aq import codec
 from horovod_aq.codec.stream import StreamKey
 from horovod_aq.packed import plan as names
-from horovod_aq.packed.chunks import chunk_zero_spans
+from horovod_aq.packed.chunks import chunk_param_parts, chunk_zero_spans
 from horovod_aq.packed.cost import chunk_numel, inner_mode
 from horovod_aq.packed.delimit import payload_sizes
 from horovod_aq.packed.marker import marker_for
@@ -93,6 +95,7 @@ from horovod_aq.packed.send import (
 )
 from horovod_aq.packed.waiting import FOREVER, Deadline, wait_until
 from horovod_aq.torch import compensated, entropy, kernels, markers, stats
+from horovod_aq.torch.payload import device_constant
 
 #: What the wire times (``Wire.seconds``): encoding, decoding and averaging, waiting.
 TIMED = ("encode", "decode", "wait")
@@ -196,7 +199,7 @@ class Bucket:
         "plan", "names", "numels", "offsets", "masked", "coding", "key",
         # its exchange in the current step
         "stage", "pending", "table", "result", "skipped", "gone", "step", "unsettled",
-        "unsettled_chunks",
+        "unsettled_chunks", "unsettled_seen",
     )
 
     def __init__(self, plan: BucketPlan, names: Sequence[str], numels: Sequence[int], *,
@@ -231,6 +234,9 @@ class Bucket:
         #: Two-phase's alltoall rows whose device flag is not read yet: (flag, rows); None
         #: when there are none.
         self.unsettled_chunks: tuple[torch.Tensor, Rows] | None = None
+        #: Which parameters some rank had a gradient for (the union of the presence masks, a
+        #: bool per parameter on the device), not read yet (``Wire.settle``); None when not held.
+        self.unsettled_seen: torch.Tensor | None = None
 
     #: The plan's index (the stream key's bucket), name, size and exchange mode.
     index = property(lambda self: self.plan.index)
@@ -267,9 +273,9 @@ class Wire:
         deadline: how long one wait may last (``packed.waiting.Deadline``).
         defer: whether what the device decides stays there until :meth:`settle` (one host
             read per step for all buckets, docs/protocol.md §5.8): the flags of plain final
-            rows and of two-phase's unmasked alltoall rows, and the outcome of a send with
-            error feedback on Triton (:meth:`hold_send`). The caller then settles every bucket
-            it finished before using their results.
+            rows and of two-phase's alltoall rows, the union of their presence masks, and the
+            outcome of a send with error feedback on Triton (:meth:`hold_send`). The caller
+            then settles every bucket it finished before using their results.
 
     Buckets in the node-aware modes go through :attr:`node`, the
     :class:`~horovod_aq.torch.node_exchange.NodeExchange` that
@@ -424,7 +430,8 @@ class Wire:
         as at once; a bad payload raises here (this rank sent a marker instead of its chunk,
         so the others stop too). Rows that the checked path decodes would have needed their
         own average re-encoded: that cannot happen for the rows :meth:`_plain` refuses
-        (no presence mask, no checksum), and is reported as a bug."""
+        (no checksum; a wire that settles decides presence masks on the device), and is
+        reported as a bug."""
         if self._outcome(bucket, rows, names.alltoall_name(bucket.name)) == SKIP:
             return
         self._decode_average(bucket, self._unmask(bucket, rows),   # raises what is wrong
@@ -513,7 +520,7 @@ class Wire:
             return None
         bits = np.ones(len(bucket.names), dtype=bool) if present is None else np.asarray(
             present, dtype=bool)
-        return torch.from_numpy(np.packbits(bits)).to(device)
+        return device_constant(np.packbits(bits), device)   # no copy per step
 
     def _unmask(self, bucket: Bucket, rows: Rows) -> Rows:
         """The payloads of masked ``rows``; records in ``bucket.gone`` the parameters that no
@@ -539,11 +546,12 @@ class Wire:
     def _plain(self, bucket: Bucket, rows: Rows, numel: int, *,
                average: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decode of fixed-coded ``rows`` and one device flag, read nowhere here: True when
-        they are plain payloads (no marker, no joined rank, no checksum, every presence bit set,
-        every header what this rank's encode writes, every norm and code valid:
-        ``kernels.decode_flagged``); None where only the checked path decides. When the flag is
-        False the decode is not the result: the checked path decides, skips or raises as the
-        oracle (docs/protocol.md §5.8)."""
+        they are plain payloads (no marker, no joined rank, no checksum, every header what this
+        rank's encode writes, every norm and code valid: ``kernels.decode_flagged``; and, on a
+        wire that decides at once, every presence bit set); None where only the checked path
+        decides. When the flag is False the decode is not the result: the checked path
+        decides, skips or raises as the oracle (docs/protocol.md §5.8). With ``defer`` the
+        masks' union goes to ``bucket.unsettled_seen`` instead (:meth:`settle` reads it)."""
         if isinstance(rows, list):
             return None
         k = bucket.mask_bytes if average else 0   # re-encoded chunks carry no mask
@@ -553,9 +561,35 @@ class Wire:
         if got is None:
             return None
         values, ok = got
-        if k:
+        if k and self.defer:
+            bucket.unsettled_seen = self._seen(bucket, rows[:, -k:])
+        elif k:
             ok = ok & (rows[:, -k:] == self._full_mask(bucket, rows.device)).all()
         return values, ok
+
+    @staticmethod
+    def _seen(bucket: Bucket, masks: torch.Tensor) -> torch.Tensor:
+        """Which parameters some rank had a gradient for: the union of the rows' presence
+        ``masks`` ([P, mask_bytes], ``np.packbits`` order), a bool per parameter, on the
+        device."""
+        shifts = device_constant(np.arange(7, -1, -1, dtype=np.uint8), masks.device)
+        bits = (masks.unsqueeze(-1) >> shifts) & 1          # np.unpackbits, [P, bytes, 8]
+        return bits.amax(dim=0).reshape(-1)[:len(bucket.names)].bool()
+
+    def _zero_unseen(self, bucket: Bucket, chunk: torch.Tensor, seen: torch.Tensor,
+                     m: int) -> None:
+        """Exact zeros in this rank's ``chunk`` (of ``m``) where no rank had the parameter
+        (``seen`` False): ``chunk_zero_spans``' absent spans, on the device, without reading
+        ``seen`` (``packed.chunks.chunk_param_parts``)."""
+        first, parts = chunk_param_parts(bucket.numel, m, self.rank, bucket.offsets,
+                                         bucket.numels)
+        if not parts:
+            return
+        valid = sum(parts)
+        absent = torch.repeat_interleave(~seen[first:first + len(parts)],
+                                         device_constant(np.asarray(parts), seen.device),
+                                         output_size=valid)
+        chunk[:valid].masked_fill_(absent, 0.0)
 
     @staticmethod
     def _full_mask(bucket: Bucket, device: torch.device) -> torch.Tensor:
@@ -612,7 +646,7 @@ class Wire:
         m = chunk_numel(bucket.numel, P, q.bucket_size)
         started = time.perf_counter()
         got = self._plain(bucket, rows, m)
-        held = self.defer and got is not None and not bucket.masked
+        held = self.defer and got is not None
         if held:   # decided at settle; a chunk of rows that were not plain is not sent
             chunk, bucket.unsettled_chunks = got[0], (got[1], rows)
         else:
@@ -624,6 +658,8 @@ class Wire:
         self.seconds["decode"] += time.perf_counter() - started
         for lo, hi in chunk_zero_spans(bucket.numel, m, self.rank, bucket.spans(bucket.gone)):
             chunk[lo:hi] = 0.0
+        if held and bucket.unsettled_seen is not None:   # absent parameters, on the device
+            self._zero_unseen(bucket, chunk, bucket.unsettled_seen, m)
         # rows that were not plain (held): a marker goes instead, naming element r·m
         if self.decides_on_device(bucket, chunk):
             send = self._send(bucket, [m], chunk.device)
@@ -705,7 +741,9 @@ class Wire:
     def settle(self, buckets: Sequence[Bucket]) -> list[tuple[Bucket, BaseException]]:
         """What ``defer`` left on the device, read in one copy (the step's one synchronisation):
         first every held send's outcome (:meth:`hold_send`; all of them, whatever ``buckets``
-        holds), then the alltoall rows and final rows of the buckets given. A bucket whose flag
+        holds), then the alltoall rows and final rows of the buckets given, and the union of
+        their presence masks (``Bucket.gone``; the absent parameters' coordinates of a plain
+        result are zeroed then). A bucket whose flag
         is False takes the checked path (``packed.receive``): its result is replaced, it is
         skipped, or its error is returned beside it, in the order given (every rank meets the
         same outcome, or stops). Call it once every bucket finished, before using any result;
@@ -717,10 +755,17 @@ class Wire:
         started = time.perf_counter()
         flags = [kept[0] for b in held for kept in (b.unsettled_chunks, b.unsettled)
                  if kept is not None]   # per bucket: the alltoall's, then the final rows'
-        parts = [torch.stack(flags).to(torch.float64)] if flags else []
+        seen = [b.unsettled_seen for b in held if b.unsettled_seen is not None]
+        parts = ([torch.stack(flags).to(torch.float64)] if flags else []) + [
+            s.to(torch.float64) for s in seen]
         host = torch.cat(parts + [send.result for _, send, *_ in sends]).cpu().numpy()  # 1 copy
         plain = iter(host[:len(flags)] != 0)
         at = len(flags)
+        unions = []
+        for s in seen:
+            unions.append(host[at:at + s.numel()] != 0)
+            at += s.numel()
+        union = iter(unions)
         for key, send, new, old, raw in sends:
             outcome = send.outcome_of(host[at:at + send.result.numel()])
             at += send.result.numel()
@@ -730,9 +775,12 @@ class Wire:
         failed: list[tuple[Bucket, BaseException]] = []
         for bucket in held:
             chunks, final = bucket.unsettled_chunks, bucket.unsettled
-            bucket.unsettled_chunks = bucket.unsettled = None
+            masked = bucket.unsettled_seen is not None
+            bucket.unsettled_chunks = bucket.unsettled = bucket.unsettled_seen = None
             chunks_plain = chunks is None or next(plain)
             final_plain = final is None or next(plain)
+            if masked:   # the parameters no rank had a gradient for
+                bucket.gone = [i for i, had in enumerate(next(union)) if not had]
             try:
                 if not chunks_plain:
                     self._chunks_failed(bucket, chunks[1])
@@ -741,6 +789,8 @@ class Wire:
                     result = self._checked(bucket, rows, average)
                     if result is not None:
                         self._deliver(bucket, result, average)
+                elif bucket.gone:   # the plain decode, delivered before they were known
+                    self._deliver(bucket, bucket.result, True)
             except Exception as exc:  # noqa: BLE001 - the caller raises it at the step's end
                 failed.append((bucket, exc))
         self.seconds["decode"] += time.perf_counter() - started
