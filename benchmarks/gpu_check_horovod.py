@@ -18,7 +18,7 @@ under ``horovodrun`` (rank 0 writes the report; every rank exits 1 if a check fa
    bit on every rank, and the table versions advance identically (1, 1, 2);
 2. **step time**: a 29M-parameter MLP, median step (forward + backward + exchange + SGD step,
    timed between device synchronisations), Horovod's fp32 ``DistributedOptimizer`` (NCCL
-   allreduce) against the packed ALQ 3-bit optimizer with its defaults;
+   allreduce) against the packed ALQ 3-bit optimizer with its defaults, and with two-phase;
 3. **host synchronisations and launches** (CUDA; ``gpu_check_ddp.step_costs``): over three more
    whole steps of each, the host synchronisations ``torch.cuda.set_sync_debug_mode("warn")``
    reports, with the source lines that made them, and the device kernels and copies torch's
@@ -54,6 +54,11 @@ ORACLE_SIZES = (64, 512, 512, 256, 10)
 ORACLE_STEPS = 3
 FUSION_BYTES = 1 << 18       # several fused buckets for the oracle model
 ORACLE_RUNS = [(exchange, ef) for ef in (False, True) for exchange in ("allgather", "two_phase")]
+#: The timed and counted optimizers: (key, packed, forced exchange). Two-phase forced: its
+#: buckets carry presence masks, whose union stays on the device (docs/gpu.md §1).
+COST_RUNS = [("fp32", False, None), ("alq3", True, None), ("alq3_two_phase", True, "two_phase")]
+COST_LABELS = [("Horovod fp32 (allreduce)", "fp32"), ("packed ALQ 3-bit, defaults", "alq3"),
+               ("packed ALQ 3-bit, two-phase", "alq3_two_phase")]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -109,22 +114,25 @@ def _step(torch, model, opt, x, y) -> None:
     opt.step()
 
 
-def _optimizer(torch, hvd, model, packed: bool):
+def _optimizer(torch, hvd, model, packed: bool, exchange: str | None = None):
     import horovod_aq
     import horovod_aq.torch as aqt
 
     base = torch.optim.SGD(model.parameters(), lr=0.01)
     if not packed:
         return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    chosen = {} if exchange is None else {"exchange": exchange}
     return aqt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                    compression=horovod_aq.ALQ(bits=3))
+                                    compression=horovod_aq.ALQ(bits=3), **chosen)
 
 
-def costs_run(torch, hvd, device, sizes, steps: int, packed: bool) -> dict:
+def costs_run(torch, hvd, device, sizes, steps: int, packed: bool,
+              exchange: str | None = None) -> dict:
     """The median step and, on CUDA, host synchronisations and device kernels per step
-    (``gpu_check_ddp.step_costs``), with the packed optimizer's number of fused buckets."""
+    (``gpu_check_ddp.step_costs``), with the packed optimizer's number of fused buckets
+    (``exchange``: forced, else the defaults')."""
     model = _model(torch, sizes).to(device)
-    opt = _optimizer(torch, hvd, model, packed)
+    opt = _optimizer(torch, hvd, model, packed, exchange)
     x, y = _batch(torch, sizes, hvd.rank(), 0, device, n=64)
     costs = step_costs(torch, device, lambda: _step(torch, model, opt, x, y), steps)
     costs["buckets"] = len(opt.buckets) if packed else None
@@ -212,8 +220,7 @@ def report(args, gathered: list[dict], device: str, world: int, seconds: float) 
             + ", versions 1,1,2")
         lines.append(f"| {name} | {'PASS' if not problems else 'FAIL'} | {detail} |")
     timing, counts = [], []
-    for label, key in (("Horovod fp32 (allreduce)", "fp32"),
-                       ("packed ALQ 3-bit, defaults", "alq3")):
+    for label, key in COST_LABELS:
         outs = [o[f"costs {key}"] for o in gathered]
         if any(o[0] != "ok" for o in outs):
             failed = True
@@ -264,9 +271,9 @@ def main(argv=None) -> int:
     for exchange, ef in ORACLE_RUNS:
         outcomes[f"oracle {exchange}{', error feedback' if ef else ''}"] = outcome(
             oracle_run, torch, hvd, device, exchange, ef)
-    for key, packed in (("fp32", False), ("alq3", True)):
+    for key, packed, exchange in COST_RUNS:
         outcomes[f"costs {key}"] = outcome(costs_run, torch, hvd, device, sizes,
-                                           args.timing_steps, packed)
+                                           args.timing_steps, packed, exchange)
     gathered = hvd.allgather_object(outcomes)
     text, failed = report(args, gathered, name, hvd.size(), time.perf_counter() - started)
     if hvd.rank() == 0:
