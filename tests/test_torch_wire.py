@@ -364,6 +364,22 @@ def test_a_settling_wire_decides_presence_masks_as_at_once(kernels, mode, P):
             assert not settled[40:47].any() or len(absent_on) < P
 
 
+def test_a_steps_presence_masks_are_copied_to_the_device_once():
+    # a host-to-device copy every step would wait for the device's stream (a host
+    # synchronisation per bucket on a GPU): equal masks come from the cache, others do not
+    from horovod_aq.torch.payload import device_constant
+
+    _, [(_, wire, bucket)] = _ranks(1, "allgather", _qsgd, masked=True)
+    first = wire.presence_mask(bucket, [True, False, True], torch.device("cpu"))
+    assert wire.presence_mask(bucket, [True, False, True], torch.device("cpu")) is first
+    assert first.tolist() == [0b10100000]
+    other = wire.presence_mask(bucket, None, torch.device("cpu"))
+    assert other is not first and other.tolist() == [0b11100000]
+    counts = device_constant(np.array([3, 4]), "cpu")
+    assert device_constant(np.array([3, 4]), "cpu") is counts
+    assert device_constant(np.array([3, 4], np.int32), "cpu") is not counts
+
+
 def test_a_stalled_wait_ends_with_an_error_naming_the_collective():
     _, ranks = _ranks(2, "allgather", _qsgd, deadline=Deadline(0.05, step=lambda: 7))
     comp, wire, bucket = ranks[0]
