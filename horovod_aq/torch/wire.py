@@ -743,11 +743,10 @@ class Wire:
         first every held send's outcome (:meth:`hold_send`; all of them, whatever ``buckets``
         holds), then the alltoall rows and final rows of the buckets given, and the union of
         their presence masks (``Bucket.gone``; the absent parameters' coordinates of a plain
-        result are zeroed then). A bucket whose flag
-        is False takes the checked path (``packed.receive``): its result is replaced, it is
-        skipped, or its error is returned beside it, in the order given (every rank meets the
-        same outcome, or stops). Call it once every bucket finished, before using any result;
-        nothing held costs nothing."""
+        result are zeroed then). A bucket whose flag is False takes the checked path
+        (``packed.receive``): its result is replaced, it is skipped, or its error is returned
+        beside it, in the order given (every rank meets the same outcome, or stops). Call it
+        once every bucket finished, before using any result; nothing held costs nothing."""
         held = [b for b in buckets if b.unsettled is not None or b.unsettled_chunks is not None]
         sends, self.held = self.held, []
         if not held and not sends:
