@@ -413,13 +413,16 @@ ENTROPY_CASES = [("allgather", 2, False), ("allgather", 3, True), ("two_phase", 
                  ("two_phase", 2, True)]
 
 
-# (Triton's interpreter is slow: its one case decodes both two-phase stages on the device)
-@pytest.mark.parametrize("kernels, mode, P, masked", [
-    (k, *case) for k in ("auto", "ops", "triton") for case in ENTROPY_CASES
-    if k != "triton" or case == ("two_phase", 2, True)], indirect=["kernels"])
-def test_the_entropy_wire_sends_the_oracles_bytes_and_averages_like_the_fixed_one(kernels, mode, P,
-                                                                                   masked):
-    _, ranks = _ranks(P, mode, _qsgd, coding="entropy", numels=BIG, masked=masked)
+# (Triton's interpreter is slow: its cases decode both two-phase stages on the device, the
+# final rows' flag read at once and at the settle)
+@pytest.mark.parametrize("kernels, mode, P, masked, settles", [
+    *[(k, *case, False) for k in ("auto", "ops") for case in ENTROPY_CASES],
+    *[("triton", "two_phase", 2, True, settles) for settles in (False, True)]],
+    indirect=["kernels"])
+def test_the_entropy_wire_sends_the_oracles_bytes_and_averages_like_the_fixed_one(
+        kernels, mode, P, masked, settles):
+    _, ranks = _ranks(P, mode, _qsgd, coding="entropy", numels=BIG, masked=masked,
+                      defer=settles)
     tapped = _tap_all(ranks)
     grads = _grads(P, numels=BIG)
     results = _run(ranks, grads)
@@ -459,6 +462,40 @@ def test_the_entropy_wire_counts_the_bytes_it_sends():
         assert wire.take_sent() == {"payload_bytes": 0, "bytes_sent": 0, "node_bytes": 0}
         sent[coding] = counts
     assert sent["entropy"]["bytes_sent"] < 0.9 * sent["fixed"]["bytes_sent"]
+
+
+@pytest.mark.parametrize("kernels", ["triton"], indirect=True)
+def test_a_settling_wire_leaves_entropy_coded_rows_flag_on_the_device(kernels):
+    # with Triton, entropy-coded rows are decoded on the device (one copy of their headers and
+    # models) and, on a wire that settles, their flag and the masks' union wait for the
+    # settle: no item() while the allgather's rows are decoded (each decode read its flag
+    # before); the same results and absent parameter as a wire that decides at once
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class HostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._overloadpacket.__name__ == "_local_scalar_dense":
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    P, grads = 2, _grads(2, numels=BIG)
+    got = {}
+    for settles in (False, True):
+        _, ranks = _ranks(P, "allgather", _qsgd, coding="entropy", numels=BIG, masked=True,
+                          defer=settles)
+        for (_, wire, bucket), g in zip(ranks, grads):
+            wire.submit(bucket, torch.from_numpy(g.copy()), [True, False, True])
+        reads.clear()
+        with HostReads():
+            for _, wire, bucket in ranks:
+                wire.finish(bucket)
+        assert (not reads) == settles   # at once, each rank reads its rows' flag
+        got[settles] = [(_result(wire, bucket).numpy(), bucket.gone) for _, wire, bucket in ranks]
+    for (at_once, gone), (settled, settled_gone) in zip(got[False], got[True]):
+        np.testing.assert_array_equal(settled, at_once)
+        assert settled_gone == gone == [1] and not settled[4000:4007].any()
 
 
 def test_error_feedback_memory_on_the_entropy_wire():

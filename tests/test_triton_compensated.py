@@ -307,14 +307,16 @@ def test_fusable_takes_the_triton_implementation(monkeypatch):
 @pytest.mark.parametrize("mode, P, coding, defer", [("allgather", 2, "fixed", False),
                                                     ("two_phase", 2, "entropy", False),
                                                     ("allgather", 2, "fixed", True),
-                                                    ("two_phase", 2, "fixed", True)])
+                                                    ("two_phase", 2, "fixed", True),
+                                                    ("allgather", 2, "entropy", True)])
 def test_the_wire_with_the_triton_pass_is_bitwise_the_unfused_steps(monkeypatch, mode, P,
                                                                     coding, defer):
     # the torch wire's fused error feedback through Triton (CPU tensors under the interpreter
     # stand in for CUDA ones): results, memories, ‖h‖, statistics, taps and byte counts of three
     # steps are the unfused steps', and a NaN sends markers and leaves that rank's memory. With
-    # a deferring wire, steps 1 and 2 (nothing recorded) keep each send's outcome on the device
-    # until Wire.settle (markers chosen there, h' swapped in, h given back where refused)
+    # a deferring wire, steps 1 and 2 (nothing recorded) keep each fixed-coded send's outcome on
+    # the device until Wire.settle (markers chosen there, h' swapped in, h given back where
+    # refused); entropy-coded rows are decoded on the device, their flag read at the settle
     from tests import test_torch_wire as wire_tests
 
     monkeypatch.setattr(kernels, "implementation_for", lambda device: "triton")
@@ -336,10 +338,11 @@ def test_the_wire_with_the_triton_pass_is_bitwise_the_unfused_steps(monkeypatch,
     fused = wire_tests._ef_steps(monkeypatch, True, mode, P, coding, grads, factory=factory,
                                  defer=defer)
     assert calls
-    assert len(held) == (2 * P if defer else 0)
+    holds = defer and coding == "fixed"   # an entropy-coded send is decided at once
+    assert len(held) == (2 * P if holds else 0)
     unfused = wire_tests._ef_steps(monkeypatch, False, mode, P, coding, grads, factory=factory,
                                    defer=defer)
-    if defer:   # the tap also saw the payload that rank 1's marker replaced at step 2 (its
+    if holds:   # the tap also saw the payload that rank 1's marker replaced at step 2 (its
         # re-encoded chunk, whose marker is put in place at the settle, both runs tap)
         kept = [e for e in fused[2]["tapped"][1] if e[0] == P and mode == "two_phase"]
         fused[2]["tapped"][1] = kept

@@ -9,11 +9,13 @@ rows of any lengths and kinds. Where each runs (``kernels.implementation_for``):
   encode_entropy`` (quantizer with one code per byte, histogram, model on the host, compiled
   rANS) and ``codec.fused.decode`` / ``decode_average`` (read both kinds).
 * **CUDA with Triton** ("triton"), encode: the fixed-width payload of ``triton_send.encode``
-  (same codes as every kernel), its codes unpacked on the device, their histogram
-  (``torch.bincount``, one host round trip, which the payload's size needs anyway), the code
-  table and product model on the host (``entropy_format``, shared by every implementation), the
-  symbols grouped on the device and coded by ``triton_entropy.encode_symbols``; the payload is
-  assembled on the device. Checksums are computed on the host (``payload.seal_checksum``).
+  (same codes as every kernel), its codes unpacked on the device, their histogram (counted
+  on the device, read on the host), the code table and product model on the host
+  (``entropy_format``, shared by every implementation), the symbols grouped on the device and
+  coded by ``triton_entropy.encode_symbols`` (whose words' compaction reads their number); the
+  payload is assembled on the device, the host's bytes sent without waiting
+  (``payload.host_to_device``): two host synchronisations per payload, the histogram and the
+  size. Checksums are computed on the host (``payload.seal_checksum``).
 * **CUDA with Triton** ("triton"), decode (:func:`device_values`): one device→host copy of
   the rows' headers, coder headers, block counts and code tables, checked on the host against
   what this rank's encoder writes; the models (f, c, slot table) built on the host and copied
@@ -59,9 +61,10 @@ from horovod_aq.codec.entropy_format import (
 from horovod_aq.codec.stream import StreamKey
 from horovod_aq.levels.table import LevelTable
 from horovod_aq.torch import kernels, triton_send
-from horovod_aq.torch.payload import as_float32_flat, seal_checksum
+from horovod_aq.torch.payload import as_float32_flat, host_to_device, seal_checksum
 
-__all__ = ["decode", "decode_average", "decode_each", "device_values", "encode_entropy"]
+__all__ = ["average_values", "decode", "decode_average", "decode_each", "device_values",
+           "encode_entropy"]
 
 
 def encode_entropy(x: torch.Tensor, levels: LevelTable | Any, *, bucket_size: int,
@@ -104,7 +107,10 @@ def entropy_of_fixed(fixed: torch.Tensor, table: LevelTable, n: int, bucket_size
         return seal_checksum(fixed) if checksum else fixed
     codes_at = HEADER_SIZE + NORM_BYTES * codec.num_buckets(n, bucket_size)
     codes = kernels.unpack_bits(fixed[codes_at:], bits, n)            # uint8, on the device
-    counts_of = torch.bincount(codes.to(torch.int64), minlength=N)[:N].cpu().numpy()
+    index = codes.to(torch.int64)
+    counts_of = torch.zeros(N, dtype=torch.int64, device=codes.device).index_add_(
+        0, index, torch.ones((), dtype=torch.int64, device=codes.device).expand(n))
+    counts_of = counts_of.cpu().numpy()   # (torch.bincount would read its max first, on CUDA)
     t = normalize_frequencies(counts_of, CODE_TABLE_BITS).astype(np.uint16)
     f, c = symbol_model(t, bits)
     g = GROUPS[bits]
@@ -117,19 +123,16 @@ def entropy_of_fixed(fixed: torch.Tensor, table: LevelTable, n: int, bucket_size
     size = entropy_payload_size(n, bits, bucket_size, N, words.numel())
     if size >= fixed.numel():
         return seal_checksum(fixed) if checksum else fixed
-    device = fixed.device
     head = fixed[:HEADER_SIZE].clone()
     head[FLAGS_OFFSET] |= FLAG_ENTROPY
     coder = struct.pack(CODER_HEADER_FORMAT, size, *coder_fields(bits))
-
-    def host_bytes(raw: bytes) -> torch.Tensor:
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
-
+    coder_and_table = host_to_device(   # the host's bytes, in one copy
+        np.frombuffer(coder + t.astype("<u2").tobytes(), np.uint8), fixed.device)
     payload = torch.cat([
-        head, fixed[HEADER_SIZE:codes_at], host_bytes(coder),
+        head, fixed[HEADER_SIZE:codes_at], coder_and_table[:len(coder)],
         states.contiguous().view(torch.uint8).reshape(-1),
         counts.to(torch.int32).view(torch.uint8).view(-1, 4)[:, :2].reshape(-1),
-        host_bytes(t.astype("<u2").tobytes()),
+        coder_and_table[len(coder):],
         words.contiguous().view(torch.uint8).reshape(-1)])
     assert payload.numel() == size
     return seal_checksum(payload) if checksum else payload
@@ -208,11 +211,9 @@ def device_values(rows: Sequence[torch.Tensor], levels: LevelTable | Any, *, num
         sections.append(found)
     models = [np.concatenate([found[0], triton_entropy().model_array(
         *symbol_model(found[1], lay.bits))]) for found in sections if found is not None]
-    host = torch.from_numpy(np.concatenate(models) if models else np.zeros(0, np.int64))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    on_device = iter(torch.split(host.to(device, non_blocking=True),   # every model at once
-                                 [m.size for m in models]))
+    on_device = iter(torch.split(host_to_device(   # every model at once
+        np.concatenate(models) if models else np.zeros(0, np.int64), device),
+        [m.size for m in models]))
     values, flags = [], []
     for row, found in zip(rows, sections):
         if found is None:
@@ -249,6 +250,16 @@ def _entropy_row(row: torch.Tensor, lay: _Layout, table: LevelTable,
     values = kernels.dequantize(codes[:lay.numel], norms, table, lay.bucket_size)
     return values, [(torch.isfinite(norms) & (norms >= 0)).all(), (states >= STATE_LOW).all(),
                     stream_ok]
+
+
+def average_values(values: list[torch.Tensor]) -> torch.Tensor:
+    """(1/P)·Σ_r values_r as ``codec.decode_average`` step 7 sums it: each row divided by P,
+    added in rank order (in place, into the first row's tensor)."""
+    divisor = torch.full((), len(values), dtype=torch.float32, device=values[0].device)
+    acc = values[0].div_(divisor)
+    for row in values[1:]:
+        acc.add_(row.div_(divisor))
+    return acc
 
 
 def _on_device(rows: list[torch.Tensor], levels: Any, numel: int | None,
@@ -313,11 +324,7 @@ def decode_average(rows: Sequence[torch.Tensor], levels: LevelTable | Any, *,
     rows = list(rows)
     on_device = _on_device(rows, levels, numel, bucket_size, norm)
     if on_device is not None:
-        divisor = torch.full((), len(rows), dtype=torch.float32, device=rows[0].device)
-        acc = on_device[0].div_(divisor)
-        for values in on_device[1:]:
-            acc.add_(values.div_(divisor))
-        return acc
+        return average_values(on_device)
     device = rows[0].device
     flags = [int(r[FLAGS_OFFSET]) if r.numel() > FLAGS_OFFSET else 0 for r in rows]
     if len({r.numel() for r in rows}) == 1 and not any(f & FLAG_ENTROPY for f in flags):

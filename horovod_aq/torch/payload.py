@@ -3,7 +3,8 @@ Triton's in ``horovod_aq.torch.triton_kernels``): a leaf module, imported by bot
 neither.
 
 * device caches (:class:`DeviceCache`), the payload header as a device tensor
-  (:func:`header_tensor`) and the wire's small per-step constants (:func:`device_constant`);
+  (:func:`header_tensor`), the wire's small per-step constants (:func:`device_constant`) and
+  host arrays that change every call, sent without a synchronisation (:func:`host_to_device`);
 * the float32 input (:func:`as_float32_flat`) and the encoder's finiteness check
   (:func:`check_finite`, the numpy codec's messages);
 * the host-side validation of received rows with the numpy codec's checks and messages
@@ -71,6 +72,17 @@ def device_constant(values: np.ndarray, device) -> torch.Tensor:
     a = np.ascontiguousarray(values)
     key = ("constant", a.dtype.str, a.shape, a.tobytes(), str(device))
     return _CONSTANTS.get(key, lambda: torch.from_numpy(a.copy()).to(device))
+
+
+def host_to_device(values: np.ndarray, device) -> torch.Tensor:
+    """A new tensor of ``values`` on ``device``, sent without waiting for the device: on CUDA
+    through pinned memory, in stream order (a blocking copy from pageable memory waits for the
+    stream: a host synchronisation). For the arrays that change every call (an entropy
+    coder's model, a payload's coder header), which :func:`device_constant` cannot cache."""
+    host = torch.from_numpy(np.array(values, copy=True, order="C"))
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def header_tensor(numel: int, table: LevelTable, bucket_size: int, norm: str,

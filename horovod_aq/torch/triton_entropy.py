@@ -10,14 +10,15 @@ end, leaves words unread or ends a lane off 2^16; the caller then hands the payl
 oracle, which raises its ``PayloadError``.
 
 The model (code table, f, c: 2^(g·b) ≤ 256 entries) is built on the host by
-``horovod_aq.codec.entropy_format`` from the histogram of the codes (``torch.bincount``): one
-host round trip per payload, which a variable-length payload needs anyway to learn its size.
+``horovod_aq.codec.entropy_format`` from the histogram of the codes: one host round trip per
+payload, which a variable-length payload needs anyway to learn its size; the tables go back in
+one copy that does not wait for the device (``payload.host_to_device``).
 
     words, states, counts = encode_symbols(symbols, f, c)      # symbols: uint8 CUDA tensor
     symbols = decode_symbols(states, counts, words, f, c, nsym)  # None if the stream is bad
 
-Imports only ``horovod_aq.codec``, torch and triton; tested under ``TRITON_INTERPRET=1``
-(``tests/test_triton_entropy.py``).
+Imports only ``horovod_aq.codec``, the leaf ``horovod_aq.torch.payload``, torch and triton;
+tested under ``TRITON_INTERPRET=1`` (``tests/test_triton_entropy.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from horovod_aq.codec.entropy_format import (
     STEPS,
 )
 from horovod_aq.codec.rans import slot_symbols
+from horovod_aq.torch.payload import host_to_device
 
 __all__ = ["decode_symbols", "decode_symbols_flagged", "encode_symbols", "model_array"]
 
@@ -107,10 +109,10 @@ def _decode_kernel(states_ptr, counts_ptr, starts_ptr, words_ptr, nwords, slots_
 
 
 def _tables(f: np.ndarray, c: np.ndarray, device) -> tuple[torch.Tensor, ...]:
+    """f, c and 2^PRECISION − f on the device, in one copy that does not wait for it."""
     f = np.asarray(f, np.int64)
-    return (torch.as_tensor(f, device=device), torch.as_tensor(np.asarray(c, np.int64),
-                                                               device=device),
-            torch.as_tensor((1 << PRECISION) - f, device=device))
+    return torch.split(host_to_device(np.concatenate([f, np.asarray(c, np.int64),
+                                                      (1 << PRECISION) - f]), device), len(f))
 
 
 def encode_symbols(symbols: torch.Tensor, f: np.ndarray, c: np.ndarray
@@ -137,7 +139,7 @@ def decode_symbols(states: torch.Tensor, counts: torch.Tensor, words: torch.Tens
     """The nsym uint8 symbols of a body (``rans.decode_symbols``), or None if a block's stream
     is refused (past its end, words left unread, a lane not back at 2^16)."""
     alphabet = len(f)
-    model = torch.as_tensor(model_array(f, c), device=words.device)   # one copy
+    model = host_to_device(model_array(f, c), words.device)   # one copy
     ft, ct, slots = torch.split(model, [alphabet, alphabet, model.numel() - 2 * alphabet])
     out, ok = decode_symbols_flagged(states, counts, words, ft, ct, slots, nsym)
     return out if bool(ok) else None

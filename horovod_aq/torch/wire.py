@@ -47,7 +47,8 @@ their sizes (:class:`Received`).
 fixed size: the collectives carry them with their sizes (docs/protocol.md §5.4 — Horovod's
 allgather reads them from the payloads' own headers, ``packed.delimit``; ``torch.distributed``
 gathers the sizes first) and the wire decodes the list of rows (``Received.row_list``) with the
-decoders of variable rows, bitwise ``codec.decode_average`` of the same rows.
+decoders of variable rows, bitwise ``codec.decode_average`` of the same rows (with Triton on the
+device, with one flag like the fixed rows', ``entropy.device_values``).
 
 A bucket may carry a **presence mask** (the optimizer's: one bit per parameter appended to every
 first-phase payload, ``np.packbits`` order): parameters no rank had a gradient for are then
@@ -545,27 +546,50 @@ class Wire:
 
     def _plain(self, bucket: Bucket, rows: Rows, numel: int, *,
                average: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The decode of fixed-coded ``rows`` and one device flag, read nowhere here: True when
-        they are plain payloads (no marker, no joined rank, no checksum, every header what this
-        rank's encode writes, every norm and code valid: ``kernels.decode_flagged``; and, on a
-        wire that decides at once, every presence bit set); None where only the checked path
-        decides. When the flag is False the decode is not the result: the checked path
-        decides, skips or raises as the oracle (docs/protocol.md §5.8). With ``defer`` the
-        masks' union goes to ``bucket.unsettled_seen`` instead (:meth:`settle` reads it)."""
-        if isinstance(rows, list):
-            return None
+        """The decode of ``rows`` and one device flag, read nowhere here: True when they are
+        plain payloads (no marker, no joined rank, no checksum, every header what this rank's
+        encode writes, every norm and code valid: ``kernels.decode_flagged``; entropy-coded
+        rows, with Triton: ``entropy.device_values``, whose one copy of the rows' headers and
+        models returns None for anything else; and, on a wire that decides at once, every
+        presence bit set); None where only the checked path decides. When the flag is False
+        the decode is not the result: the checked path decides, skips or raises as the oracle
+        (docs/protocol.md §5.8). With ``defer`` the masks' union goes to
+        ``bucket.unsettled_seen`` instead (:meth:`settle` reads it)."""
         k = bucket.mask_bytes if average else 0   # re-encoded chunks carry no mask
-        got = kernels.decode_flagged(rows[:, :-k] if k else rows, bucket.table, numel=numel,
-                                     bucket_size=self.q.bucket_size, norm=self.q.norm,
-                                     average=average)
+        if isinstance(rows, list):
+            got = self._plain_variable(bucket, [r[:-k] if k else r for r in rows], numel,
+                                       average)
+            masks = torch.stack([r[-k:] for r in rows]) if got is not None and k else None
+        else:
+            got = kernels.decode_flagged(rows[:, :-k] if k else rows, bucket.table,
+                                         numel=numel, bucket_size=self.q.bucket_size,
+                                         norm=self.q.norm, average=average)
+            masks = rows[:, -k:] if k else None
         if got is None:
             return None
         values, ok = got
-        if k and self.defer:
-            bucket.unsettled_seen = self._seen(bucket, rows[:, -k:])
-        elif k:
-            ok = ok & (rows[:, -k:] == self._full_mask(bucket, rows.device)).all()
+        if masks is not None and self.defer:
+            bucket.unsettled_seen = self._seen(bucket, masks)
+        elif masks is not None:
+            ok = ok & (masks == self._full_mask(bucket, masks.device)).all()
         return values, ok
+
+    def _plain_variable(self, bucket: Bucket, rows: list[torch.Tensor], numel: int,
+                        average: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Entropy-coded (or fixed-width) ``rows`` of any lengths decoded on the device with
+        one flag (``entropy.device_values``, Triton only: elsewhere the checked path's
+        compiled decoders run on the host anyway): their average, each row divided by P and
+        added in rank order (``entropy.average_values``, bitwise ``codec.decode_average``),
+        or their concatenation."""
+        if kernels.implementation_for(rows[0].device) != "triton":
+            return None
+        q = self.q
+        got = entropy.device_values(rows, bucket.table, numel=numel, bucket_size=q.bucket_size,
+                                    norm=q.norm)
+        if got is None:
+            return None
+        values, ok = got
+        return (entropy.average_values(values) if average else torch.cat(values)), ok
 
     @staticmethod
     def _seen(bucket: Bucket, masks: torch.Tensor) -> torch.Tensor:
@@ -646,8 +670,10 @@ class Wire:
         m = chunk_numel(bucket.numel, P, q.bucket_size)
         started = time.perf_counter()
         got = self._plain(bucket, rows, m)
-        held = self.defer and got is not None
-        if held:   # decided at settle; a chunk of rows that were not plain is not sent
+        # decided at settle, a chunk of rows that were not plain being replaced by its marker;
+        # not with entropy coding: a marker in place of a shorter payload would misstate its size
+        held = self.defer and got is not None and not bucket.variable
+        if held:
             chunk, bucket.unsettled_chunks = got[0], (got[1], rows)
         else:
             chunk = got[0] if got is not None and bool(got[1]) else None   # one synchronisation
