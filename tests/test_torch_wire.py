@@ -73,7 +73,8 @@ class Loopback:
             if delimit is None:   # equal sizes, as every fixed-coding collective assumes
                 return then(wire_mod.Received(flat, [payload.numel()] * self.size))
             # what Horovod's allgather does: only the concatenation arrives
-            return then(wire_mod.Received(flat, delimit(flat.numpy(), self.size)))
+            host = flat.numpy().copy()   # as Horovod's adapter: the copy that delimits
+            return then(wire_mod.Received(flat, delimit(host, self.size), host))
         return _Pending(self.net, name, self.rank, collect)
 
     def alltoall(self, payloads, name, *, variable=False):

@@ -114,8 +114,16 @@ def test_device_values_are_the_oracles_and_average_like_it(monkeypatch):
     for got, row in zip(values, rows):
         np.testing.assert_array_equal(got.cpu().numpy().view(np.uint32),
                                       codec.decode(row, table).view(np.uint32))
-    monkeypatch.setattr(kernels, "implementation_for", lambda device: "triton")
+    # the rows' headers and models read from a host copy of the rows (Horovod's delimiting
+    # copy) instead of the device: the same values; a code table spoilt in that copy alone is
+    # refused, so the copy is what was read
     kw = {"numel": 3001, "bucket_size": 64, "norm": "l2"}
+    again, ok = entropy.device_values(tensors, table, **kw,
+                                      host=[torch.from_numpy(r) for r in rows])
+    assert bool(ok) and all(torch.equal(a, b) for a, b in zip(again, values))
+    spoilt = [torch.from_numpy(r) for r in _spoil(rows, table, "table")]
+    assert entropy.device_values(tensors, table, **kw, host=spoilt) is None
+    monkeypatch.setattr(kernels, "implementation_for", lambda device: "triton")
     np.testing.assert_array_equal(
         entropy.decode_average(tensors, table, **kw).cpu().numpy().view(np.uint32),
         codec.decode_average(rows, table).view(np.uint32))

@@ -115,8 +115,11 @@ class HorovodCollectives:
         if delimit is None:
             sizes = [payload.numel()] * self.size
             return _Handle(handle, lambda out: then(Received(out, sizes)))
-        return _Handle(handle, lambda out: then(Received(out, delimit(
-            out.detach().cpu().numpy(), self.size))))
+
+        def delimited(out: torch.Tensor) -> Received:
+            host = out.detach().cpu().numpy()   # the one copy: the decoder reads it too
+            return Received(out, delimit(host, self.size), host)
+        return _Handle(handle, lambda out: then(delimited(out)))
 
     def alltoall(self, payloads: list[torch.Tensor], name: str, *, variable: bool = False,
                  received: Any = None) -> _Handle:

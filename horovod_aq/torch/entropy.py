@@ -183,14 +183,15 @@ def _aligned(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def device_values(rows: Sequence[torch.Tensor], levels: LevelTable | Any, *, numel: int,
-                  bucket_size: int, norm: str
+                  bucket_size: int, norm: str, host: Sequence[torch.Tensor] | None = None
                   ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
     """Every row's float32 values decoded on the rows' device (module docstring, "decode"),
     with one 0-dim bool device flag that is True iff every norm, coder state and stream was
     valid: the host decoders would then give the same values. None where a row is not what
     this rank's encoder writes for (``numel``, ``levels``, ``bucket_size``, ``norm``) — another
     header, a marker, a checksum, a coder header, length or code table a decoder refuses —
-    known from one device→host copy; the caller then decodes on the host."""
+    known from one device→host copy (none where ``host`` holds the same rows as CPU tensors);
+    the caller then decodes on the host."""
     table = codec.as_table(levels)
     rows = list(rows)
     device = rows[0].device
@@ -198,7 +199,8 @@ def device_values(rows: Sequence[torch.Tensor], levels: LevelTable | Any, *, num
     expected = np.frombuffer(codec.make_header(numel, table, bucket_size, norm), np.uint8)
     coded = expected.copy()
     coded[FLAGS_OFFSET] |= FLAG_ENTROPY
-    meta = torch.stack([lay.metadata(r) for r in rows]).cpu().numpy()   # the one read
+    meta = torch.stack([lay.metadata(r) for r in (rows if host is None else host)]
+                       ).cpu().numpy()   # the one read
     sections: list[tuple[np.ndarray, np.ndarray] | None] = []
     for row, head in zip(rows, meta):
         if np.array_equal(head[:HEADER_SIZE], expected) and row.numel() == lay.fixed_size:

@@ -135,12 +135,15 @@ def _peak(x: torch.Tensor) -> float:
 
 class Received:
     """What a collective delivered to this rank: the per-rank payloads, back to back in ``flat``
-    (uint8), with their ``sizes`` in rank order."""
+    (uint8), with their ``sizes`` in rank order, and ``host``, the same bytes on the host where
+    the collective copied them there to learn the sizes (Horovod's allgather of variable
+    payloads, ``packed.delimit``), else None."""
 
-    __slots__ = ("flat", "sizes")
+    __slots__ = ("flat", "sizes", "host")
 
-    def __init__(self, flat: torch.Tensor, sizes: Sequence[int]) -> None:
-        self.flat, self.sizes = flat, list(sizes)
+    def __init__(self, flat: torch.Tensor, sizes: Sequence[int],
+                 host: np.ndarray | None = None) -> None:
+        self.flat, self.sizes, self.host = flat, list(sizes), host
 
     def rows(self) -> torch.Tensor:
         """The payloads as [P, size] rows (a view: every rank's payload has the same size)."""
@@ -155,6 +158,12 @@ class Received:
             raise ValueError(f"payload sizes {self.sizes} do not add up to the "
                              f"{self.flat.numel()} bytes received")
         return list(torch.split(self.flat, self.sizes))
+
+    def host_row_list(self) -> list[torch.Tensor] | None:
+        """:meth:`row_list` of ``host`` (CPU tensors sharing its memory), None without it."""
+        if self.host is None:
+            return None
+        return list(torch.split(torch.from_numpy(self.host), self.sizes))
 
 
 class Pending(Protocol):
@@ -544,8 +553,9 @@ class Wire:
         """[P, size] rows (fixed coding) or a list of P rows (entropy coding)."""
         return received.row_list() if bucket.variable else received.rows()
 
-    def _plain(self, bucket: Bucket, rows: Rows, numel: int, *,
-               average: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _plain(self, bucket: Bucket, rows: Rows, numel: int, *, average: bool = True,
+               host: list[torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decode of ``rows`` and one device flag, read nowhere here: True when they are
         plain payloads (no marker, no joined rank, no checksum, every header what this rank's
         encode writes, every norm and code valid: ``kernels.decode_flagged``; entropy-coded
@@ -557,8 +567,9 @@ class Wire:
         ``bucket.unsettled_seen`` instead (:meth:`settle` reads it)."""
         k = bucket.mask_bytes if average else 0   # re-encoded chunks carry no mask
         if isinstance(rows, list):
-            got = self._plain_variable(bucket, [r[:-k] if k else r for r in rows], numel,
-                                       average)
+            cut = lambda some: [r[:-k] if k else r for r in some]  # noqa: E731 - the masks
+            got = self._plain_variable(bucket, cut(rows), numel, average,
+                                       None if host is None else cut(host))
             masks = torch.stack([r[-k:] for r in rows]) if got is not None and k else None
         else:
             got = kernels.decode_flagged(rows[:, :-k] if k else rows, bucket.table,
@@ -575,17 +586,19 @@ class Wire:
         return values, ok
 
     def _plain_variable(self, bucket: Bucket, rows: list[torch.Tensor], numel: int,
-                        average: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+                        average: bool, host: list[torch.Tensor] | None
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Entropy-coded (or fixed-width) ``rows`` of any lengths decoded on the device with
         one flag (``entropy.device_values``, Triton only: elsewhere the checked path's
-        compiled decoders run on the host anyway): their average, each row divided by P and
-        added in rank order (``entropy.average_values``, bitwise ``codec.decode_average``),
-        or their concatenation."""
+        compiled decoders run on the host anyway; their headers read from ``host``, the same
+        rows on the host, where the collective copied them): their average, each row divided
+        by P and added in rank order (``entropy.average_values``, bitwise
+        ``codec.decode_average``), or their concatenation."""
         if kernels.implementation_for(rows[0].device) != "triton":
             return None
         q = self.q
         got = entropy.device_values(rows, bucket.table, numel=numel, bucket_size=q.bucket_size,
-                                    norm=q.norm)
+                                    norm=q.norm, host=host)
         if got is None:
             return None
         values, ok = got
@@ -714,7 +727,8 @@ class Wire:
         rows = self._rows(bucket, received)
         started = time.perf_counter()
         average = bucket.stage == "ag"
-        got = self._plain(bucket, rows, self._payload_numel(bucket, average), average=average)
+        got = self._plain(bucket, rows, self._payload_numel(bucket, average), average=average,
+                          host=received.host_row_list() if bucket.variable else None)
         if got is not None and self.defer:
             result, bucket.unsettled = got[0], (got[1], rows, average)
         elif got is not None and bool(got[1]):   # one synchronisation
