@@ -447,6 +447,25 @@ def test_the_entropy_wire_sends_the_oracles_bytes_and_averages_like_the_fixed_on
     assert len(sizes) > 1                # the payloads really have different lengths
 
 
+def test_two_phase_chunks_are_the_oracles_payloads_of_the_padded_chunks(kernels):
+    # P = 3 chunks of m = 32 over 70 coordinates: the last one holds 6 (with Triton the one-pass
+    # encode pads it itself, with no padded copy of x); every first-phase payload is
+    # codec.encode of the chunk padded with zeros to m, which is what the tap sees
+    P = 3
+    _, ranks = _ranks(P, "two_phase", _qsgd)
+    tapped = _tap_all(ranks)
+    grads = _grads(P)
+    _run(ranks, grads)
+    table, m = ranks[0][0].table, chunk_numel(sum(NUMELS), P, B)
+    for r, g in enumerate(grads):
+        padded = np.concatenate([g, np.zeros(P * m - g.size, np.float32)]).reshape(P, m)
+        for k in range(P):
+            values, payload = tapped[(r, k)]
+            np.testing.assert_array_equal(values.numpy(), padded[k])
+            np.testing.assert_array_equal(payload.numpy(), codec.encode(
+                padded[k], table, bucket_size=B, key=StreamKey(SEED, r, 0, 3, k)))
+
+
 def test_the_entropy_wire_counts_the_bytes_it_sends():
     P = 3
     sent = {}

@@ -432,9 +432,9 @@ def test_the_send_puts_the_hosts_markers_in_place(case, parts, memory):
 #: kernels and torch operations that launch one (docs/gpu.md §1, "Launches per bucket"). Views,
 #: allocations and the collectives themselves are not counted; settle's three are per step.
 LAUNCHES = {("allgather", True, False): (4, 7), ("allgather", False, False): (4, 7),
-            ("two_phase", True, False): (6, 17), ("two_phase", False, False): (8, 17),
+            ("two_phase", True, False): (6, 17), ("two_phase", False, False): (6, 17),
             # the optimizer's buckets, with presence masks: their union stays on the device
-            ("allgather", False, True): (5, 12), ("two_phase", False, True): (10, 26)}
+            ("allgather", False, True): (5, 12), ("two_phase", False, True): (8, 26)}
 
 
 @interpreter_only

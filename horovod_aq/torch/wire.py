@@ -373,15 +373,17 @@ class Wire:
         bucket.table, bucket.step = q.table, q.step
         fused = compensated.fusable(self, raw)   # error feedback fused into the encoder
         whole = bucket.mode == "allgather"
-        send = self._send(bucket, [self._payload_numel(bucket, whole)] * (1 if whole else P),
-                          raw.device) if (self.memory is None and not q.recording
-                                          and self.decides_on_device(bucket, raw)) else None
+        sizes = [self._payload_numel(bucket, whole)] * (1 if whole else P)
+        send = self._send(bucket, sizes, raw.device) if (
+            self.memory is None and not q.recording
+            and self.decides_on_device(bucket, raw)) else None
         steps = SendSteps(compensate=lambda g: g if self.memory is None else
                           self.memory.compensate(bucket.key, g),
                           first_bad=self._first_bad, record=self._record,
-                          parts=lambda x: self.parts(bucket, x),
+                          # Send pads each chunk with zeros itself: no padded copy of x
+                          parts=lambda x: self.parts(bucket, x, padded=send is None),
                           encode=lambda part, k: self._encode(bucket, part, k, checked=True,
-                                                              send=send),
+                                                              send=send, numel=sizes[k]),
                           markers=lambda bad: self._markers(bucket, bad, raw.device),
                           encode_compensated=(lambda g: compensated.encode_compensated(
                               self, bucket, g)) if fused else None,
@@ -471,21 +473,27 @@ class Wire:
                            histogram=stats.normalized_histogram(x, q.bucket_size)
                            if q.wants_histogram else None)
 
-    def parts(self, bucket: Bucket, x: torch.Tensor) -> list[torch.Tensor]:
-        """[x], or the P chunks of x padded with zeros to P·m (two-phase)."""
+    def parts(self, bucket: Bucket, x: torch.Tensor, *,
+              padded: bool = True) -> list[torch.Tensor]:
+        """[x], or the P chunks of x padded with zeros to P·m (two-phase); not ``padded``: the
+        chunks' coordinates of x (views; the last ones shorter or empty), for an encode that
+        pads them itself (``triton_send.Send``)."""
         if bucket.mode == "allgather":
             return [x]
-        P = self.ranks
-        m = chunk_numel(bucket.numel, P, self.q.bucket_size)
+        P, n = self.ranks, bucket.numel
+        m = chunk_numel(n, P, self.q.bucket_size)
+        if not padded:
+            return [x[min(k * m, n):min((k + 1) * m, n)] for k in range(P)]
         padded = torch.zeros(P * m, dtype=torch.float32, device=x.device)
         padded[:bucket.numel] = x
         return list(padded.view(P, m))
 
-    def _encode(self, bucket: Bucket, x: torch.Tensor, part: int, *,
-                checked: bool = False, send: Any = None) -> torch.Tensor:
+    def _encode(self, bucket: Bucket, x: torch.Tensor, part: int, *, checked: bool = False,
+                send: Any = None, numel: int | None = None) -> torch.Tensor:
         """Part ``part`` of x; ``checked``: ``packed.send`` step 2 found x sendable, so a fixed
         encode skips its own check and host sync (the re-encoded chunk has no step 2), or
-        ``send`` (:meth:`_send`) decides it after the encode."""
+        ``send`` (:meth:`_send`) decides it after the encode, padding x with zeros to the
+        part's ``numel`` (the tap sees the padded values)."""
         q = self.q
         if send is not None:
             encode = lambda x, table, *, key, **_: send.encode(x, None, None, key)  # noqa: E731
@@ -496,7 +504,9 @@ class Wire:
             x, bucket.table, bucket_size=q.bucket_size, norm=q.norm, key=key,
             checksum=q.checksum))
         if self.tap is not None:
-            self.tap(bucket, part, x, payload)
+            short = 0 if numel is None else numel - x.numel()
+            self.tap(bucket, part, torch.nn.functional.pad(x, (0, short)) if short else x,
+                     payload)
         return payload
 
     def timed_encode(self, bucket: Bucket, part: int,
