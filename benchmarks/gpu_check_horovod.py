@@ -54,11 +54,15 @@ ORACLE_SIZES = (64, 512, 512, 256, 10)
 ORACLE_STEPS = 3
 FUSION_BYTES = 1 << 18       # several fused buckets for the oracle model
 ORACLE_RUNS = [(exchange, ef) for ef in (False, True) for exchange in ("allgather", "two_phase")]
-#: The timed and counted optimizers: (key, packed, forced exchange). Two-phase forced: its
-#: buckets carry presence masks, whose union stays on the device (docs/gpu.md §1).
-COST_RUNS = [("fp32", False, None), ("alq3", True, None), ("alq3_two_phase", True, "two_phase")]
+#: The timed and counted optimizers: (key, packed, forced settings). Two-phase forced: its
+#: buckets carry presence masks, whose union stays on the device; the entropy-coded wire: its
+#: rows delimited and checked from one host copy, decoded on the device (docs/gpu.md §1).
+COST_RUNS = [("fp32", False, {}), ("alq3", True, {}),
+             ("alq3_two_phase", True, {"exchange": "two_phase"}),
+             ("alq3_entropy", True, {"wire": "entropy"})]
 COST_LABELS = [("Horovod fp32 (allreduce)", "fp32"), ("packed ALQ 3-bit, defaults", "alq3"),
-               ("packed ALQ 3-bit, two-phase", "alq3_two_phase")]
+               ("packed ALQ 3-bit, two-phase", "alq3_two_phase"),
+               ("packed ALQ 3-bit, entropy-coded wire", "alq3_entropy")]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -114,25 +118,24 @@ def _step(torch, model, opt, x, y) -> None:
     opt.step()
 
 
-def _optimizer(torch, hvd, model, packed: bool, exchange: str | None = None):
+def _optimizer(torch, hvd, model, packed: bool, chosen: dict | None = None):
     import horovod_aq
     import horovod_aq.torch as aqt
 
     base = torch.optim.SGD(model.parameters(), lr=0.01)
     if not packed:
         return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-    chosen = {} if exchange is None else {"exchange": exchange}
     return aqt.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                    compression=horovod_aq.ALQ(bits=3), **chosen)
+                                    compression=horovod_aq.ALQ(bits=3), **(chosen or {}))
 
 
 def costs_run(torch, hvd, device, sizes, steps: int, packed: bool,
-              exchange: str | None = None) -> dict:
+              chosen: dict | None = None) -> dict:
     """The median step and, on CUDA, host synchronisations and device kernels per step
     (``gpu_check_ddp.step_costs``), with the packed optimizer's number of fused buckets
-    (``exchange``: forced, else the defaults')."""
+    (``chosen``: the optimizer's settings forced, else the defaults)."""
     model = _model(torch, sizes).to(device)
-    opt = _optimizer(torch, hvd, model, packed, exchange)
+    opt = _optimizer(torch, hvd, model, packed, chosen)
     x, y = _batch(torch, sizes, hvd.rank(), 0, device, n=64)
     costs = step_costs(torch, device, lambda: _step(torch, model, opt, x, y), steps)
     costs["buckets"] = len(opt.buckets) if packed else None
@@ -271,9 +274,9 @@ def main(argv=None) -> int:
     for exchange, ef in ORACLE_RUNS:
         outcomes[f"oracle {exchange}{', error feedback' if ef else ''}"] = outcome(
             oracle_run, torch, hvd, device, exchange, ef)
-    for key, packed, exchange in COST_RUNS:
+    for key, packed, chosen in COST_RUNS:
         outcomes[f"costs {key}"] = outcome(costs_run, torch, hvd, device, sizes,
-                                           args.timing_steps, packed, exchange)
+                                           args.timing_steps, packed, chosen)
     gathered = hvd.allgather_object(outcomes)
     text, failed = report(args, gathered, name, hvd.size(), time.perf_counter() - started)
     if hvd.rank() == 0:
