@@ -570,11 +570,11 @@ class Wire:
         plain payloads (no marker, no joined rank, no checksum, every header what this rank's
         encode writes, every norm and code valid: ``kernels.decode_flagged``; entropy-coded
         rows, with Triton: ``entropy.device_values``, whose one copy of the rows' headers and
-        models returns None for anything else; and, on a wire that decides at once, every
-        presence bit set); None where only the checked path decides. When the flag is False
-        the decode is not the result: the checked path decides, skips or raises as the oracle
-        (docs/protocol.md §5.8). With ``defer`` the masks' union goes to
-        ``bucket.unsettled_seen`` instead (:meth:`settle` reads it)."""
+        models, or their ``host`` copy, returns None for anything else; and, on a wire that
+        decides at once, every presence bit set); None where only the checked path decides.
+        When the flag is False the decode is not the result: the checked path decides, skips
+        or raises as the oracle (docs/protocol.md §5.8). With ``defer`` the masks' union goes
+        to ``bucket.unsettled_seen`` instead (:meth:`settle` reads it)."""
         k = bucket.mask_bytes if average else 0   # re-encoded chunks carry no mask
         if isinstance(rows, list):
             cut = lambda some: [r[:-k] if k else r for r in some]  # noqa: E731 - the masks
