@@ -72,6 +72,7 @@ from horovod_aq import codec  # noqa: E402
 from horovod_aq.codec.stream import StreamKey, stream_uniforms  # noqa: E402
 from horovod_aq.levels import families  # noqa: E402
 from horovod_aq.levels.table import LevelTable  # noqa: E402
+from horovod_aq.torch import triton_entropy as te  # noqa: E402
 from horovod_aq.torch import triton_kernels as tk  # noqa: E402
 from horovod_aq.torch import triton_send as ts  # noqa: E402
 
@@ -142,6 +143,8 @@ PTX_CASES = [
     ("_marker_kernel", {"pay_ptr": "*u8", "first_ptr": "*i64", "head_ptr": "*u8"},
      {"NEVER": 2**62, "MAX_INDEX": 2**32 - 1, "HEADER": 32, "INDEX_AT": 28, "BLOCK": 4096},
      ("st.global",)),
+    ("_histogram_kernel", {"codes_ptr": "*u8", "counts_ptr": "*i32"},   # the entropy model's
+     {"BINS": 8, "BLOCK": te.HISTOGRAM_BLOCK}, ("atom.global",)),
     ("_partial_kernel", {"src_ptr": "*fp32", "dst_ptr": "*fp64"},
      {"M": 256, "LOG_M": 8, "KT": tk.NORM_BLOCK // 256, "L2": True, "FROM_INPUT": True,
       "WIDE": False},
@@ -159,7 +162,7 @@ def ptx_rows(arch: int, only: str | None = None) -> list[list[object]]:
 
     sends = ts._kernels()
     kernels = {**tk._kernels(), "_send_kernel": sends["send"],
-               "_marker_kernel": sends["markers"]}
+               "_marker_kernel": sends["markers"], "_histogram_kernel": te._histogram_kernel}
     target = GPUTarget("cuda", arch, 32)
     rows = []
     for name, ptrs, constexprs, required in PTX_CASES:

@@ -564,11 +564,12 @@ def test_the_kernel_compiles_for_the_gpu_without_fma(arch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
                            "--ptx-only", "--arch", str(arch), "--ptx-kernels",
-                           "_send_kernel,_marker_kernel"], cwd=ROOT, env=env,
+                           "_send_kernel,_marker_kernel,_histogram_kernel"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line.split("\t") for line in proc.stdout.strip().splitlines()]
-    assert sorted({row[0] for row in rows}) == ["_marker_kernel", "_send_kernel"]
+    assert sorted({row[0] for row in rows}) == ["_histogram_kernel", "_marker_kernel",
+                                                "_send_kernel"]
     assert len(rows) >= 4
     assert all(row[-1] == "ok" for row in rows), rows
 

@@ -107,10 +107,7 @@ def entropy_of_fixed(fixed: torch.Tensor, table: LevelTable, n: int, bucket_size
         return seal_checksum(fixed) if checksum else fixed
     codes_at = HEADER_SIZE + NORM_BYTES * codec.num_buckets(n, bucket_size)
     codes = kernels.unpack_bits(fixed[codes_at:], bits, n)            # uint8, on the device
-    index = codes.to(torch.int64)
-    counts_of = torch.zeros(N, dtype=torch.int64, device=codes.device).index_add_(
-        0, index, torch.ones((), dtype=torch.int64, device=codes.device).expand(n))
-    counts_of = counts_of.cpu().numpy()   # (torch.bincount would read its max first, on CUDA)
+    counts_of = triton_entropy.histogram(codes, N).cpu().numpy()     # the model's read
     t = normalize_frequencies(counts_of, CODE_TABLE_BITS).astype(np.uint16)
     f, c = symbol_model(t, bits)
     g = GROUPS[bits]

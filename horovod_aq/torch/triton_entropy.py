@@ -10,9 +10,10 @@ end, leaves words unread or ends a lane off 2^16; the caller then hands the payl
 oracle, which raises its ``PayloadError``.
 
 The model (code table, f, c: 2^(g·b) ≤ 256 entries) is built on the host by
-``horovod_aq.codec.entropy_format`` from the histogram of the codes: one host round trip per
-payload, which a variable-length payload needs anyway to learn its size; the tables go back in
-one copy that does not wait for the device (``payload.host_to_device``).
+``horovod_aq.codec.entropy_format`` from the histogram of the codes (:func:`histogram`, one
+atomic add per bin and block of codes): one host round trip per payload, which a
+variable-length payload needs anyway to learn its size; the tables go back in one copy that
+does not wait for the device (``payload.host_to_device``).
 
     words, states, counts = encode_symbols(symbols, f, c)      # symbols: uint8 CUDA tensor
     symbols = decode_symbols(states, counts, words, f, c, nsym)  # None if the stream is bad
@@ -38,7 +39,24 @@ from horovod_aq.codec.entropy_format import (
 from horovod_aq.codec.rans import slot_symbols
 from horovod_aq.torch.payload import host_to_device
 
-__all__ = ["decode_symbols", "decode_symbols_flagged", "encode_symbols", "model_array"]
+__all__ = ["decode_symbols", "decode_symbols_flagged", "encode_symbols", "histogram",
+           "model_array"]
+
+#: Codes counted by one program of :func:`histogram` (each program adds its counts to the
+#: result with one atomic add per bin).
+HISTOGRAM_BLOCK = 4096
+
+
+@triton.jit
+def _histogram_kernel(codes_ptr, counts_ptr, n, BINS: tl.constexpr, BLOCK: tl.constexpr):
+    """counts[j] += #{i in this program's block : codes[i] = j}, for codes < BINS."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    codes = tl.load(codes_ptr + offs, mask=valid, other=0).to(tl.int32)
+    bins = tl.arange(0, BINS)
+    missing = BLOCK - tl.sum(valid.to(tl.int32), axis=0)   # past n: counted as code 0
+    found = tl.histogram(codes, BINS) - tl.where(bins == 0, missing, 0)
+    tl.atomic_add(counts_ptr + bins, found)
 
 
 @triton.jit
@@ -113,6 +131,21 @@ def _tables(f: np.ndarray, c: np.ndarray, device) -> tuple[torch.Tensor, ...]:
     f = np.asarray(f, np.int64)
     return torch.split(host_to_device(np.concatenate([f, np.asarray(c, np.int64),
                                                       (1 << PRECISION) - f]), device), len(f))
+
+
+def histogram(codes: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """The counts of the values 0 … num_bins − 1 in the uint8 ``codes`` (each < num_bins), int64
+    on their device: ``np.bincount(codes, minlength=num_bins)``, read nowhere (``torch.
+    bincount`` reads its input's maximum on the host first, on CUDA)."""
+    n = codes.numel()
+    if n >= 1 << 31:
+        raise ValueError(f"histogram counts fewer than 2^31 codes, got {n}")
+    bins = triton.next_power_of_2(max(num_bins, 2))
+    counts = torch.zeros(bins, dtype=torch.int32, device=codes.device)
+    if n:
+        _histogram_kernel[(-(-n // HISTOGRAM_BLOCK),)](codes, counts, n, BINS=bins,
+                                                       BLOCK=HISTOGRAM_BLOCK)
+    return counts[:num_bins].to(torch.int64)
 
 
 def encode_symbols(symbols: torch.Tensor, f: np.ndarray, c: np.ndarray
