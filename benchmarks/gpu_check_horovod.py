@@ -11,14 +11,16 @@ under ``horovodrun`` (rank 0 writes the report; every rank exits 1 if a check fa
 (``--dry-run``: CPU tensors over Gloo, small sizes; the numbers mean nothing.) Checks:
 
 1. **oracle**: ``ALQ(bits=3)`` refitting after steps 0 and 2, allgather and two-phase, error
-   feedback off and on, 3 steps each. Without error feedback every payload a rank sends is
-   ``codec.encode`` of its gradient with the format's stream key (docs/format.md §6); in every run
+   feedback off and on, and the entropy-coded wire without it, 3 steps each. Without error
+   feedback every payload a rank sends is ``codec.encode`` (``codec.encode_entropy``) of its
+   gradient with the format's stream key (docs/format.md §6); in every run
    the gradients the optimizer hands to SGD are the numpy ``decode_average`` of the payloads
    (allgather) or the two-phase chain (decode_average of chunk r, re-encoded, decoded), bit for
    bit on every rank, and the table versions advance identically (1, 1, 2);
 2. **step time**: a 29M-parameter MLP, median step (forward + backward + exchange + SGD step,
    timed between device synchronisations), Horovod's fp32 ``DistributedOptimizer`` (NCCL
-   allreduce) against the packed ALQ 3-bit optimizer with its defaults, and with two-phase;
+   allreduce) against the packed ALQ 3-bit optimizer with its defaults, with two-phase and with
+   the entropy-coded wire;
 3. **host synchronisations and launches** (CUDA; ``gpu_check_ddp.step_costs``): over three more
    whole steps of each, the host synchronisations ``torch.cuda.set_sync_debug_mode("warn")``
    reports, with the source lines that made them, and the device kernels and copies torch's
@@ -53,7 +55,11 @@ SEED = 5
 ORACLE_SIZES = (64, 512, 512, 256, 10)
 ORACLE_STEPS = 3
 FUSION_BYTES = 1 << 18       # several fused buckets for the oracle model
-ORACLE_RUNS = [(exchange, ef) for ef in (False, True) for exchange in ("allgather", "two_phase")]
+#: (exchange, error feedback, wire) of the oracle runs: fixed codes with and without error
+#: feedback, and the entropy-coded wire without it.
+ORACLE_RUNS = [(exchange, ef, wire) for ef, wire in ((False, "fixed"), (True, "fixed"),
+                                                     (False, "entropy"))
+               for exchange in ("allgather", "two_phase")]
 #: The timed and counted optimizers: (key, packed, forced settings). Two-phase forced: its
 #: buckets carry presence masks, whose union stays on the device; the entropy-coded wire: its
 #: rows delimited and checked from one host copy, decoded on the device (docs/gpu.md §1).
@@ -75,7 +81,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- inside a rank
-def oracle_run(torch, hvd, device, exchange: str, error_feedback: bool) -> dict:
+def oracle_name(exchange: str, error_feedback: bool, wire: str) -> str:
+    return (f"oracle {exchange}{', error feedback' if error_feedback else ''}"
+            f"{', entropy-coded wire' if wire == 'entropy' else ''}")
+
+
+def oracle_run(torch, hvd, device, exchange: str, error_feedback: bool,
+               wire: str = "fixed") -> dict:
     """Three packed steps; what every payload encoded and what SGD was handed."""
     import torch.nn.functional as F
 
@@ -87,7 +99,7 @@ def oracle_run(torch, hvd, device, exchange: str, error_feedback: bool) -> dict:
     opt = aqt.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
         compression=comp, exchange=exchange, error_feedback=error_feedback,
-        fusion_bytes=FUSION_BYTES)
+        fusion_bytes=FUSION_BYTES, wire=wire)
     sent: list[dict] = []
     opt.wire.tap = lambda bucket, part, values, payload: sent.append({
         "bucket": bucket.name, "index": bucket.index, "part": part,
@@ -107,7 +119,7 @@ def oracle_run(torch, hvd, device, exchange: str, error_feedback: bool) -> dict:
         steps.append({"table": table, "sent": list(sent), "grads": grads,
                       "version_after": comp.table.version})
     return {"steps": steps, "buckets": opt.buckets, "norm": comp.norm,
-            "error_feedback": error_feedback, "exchange": exchange}
+            "error_feedback": error_feedback, "exchange": exchange, "wire": wire}
 
 
 def _step(torch, model, opt, x, y) -> None:
@@ -160,6 +172,7 @@ def check_oracle(ranks: list[dict]) -> list[str]:
 
     problems = []
     P = len(ranks)
+    encode = codec.encode_entropy if ranks[0]["wire"] == "entropy" else codec.encode
     for step in range(ORACLE_STEPS):
         levels, version, q_step = ranks[0]["steps"][step]["table"]
         table = LevelTable(levels, version)
@@ -169,23 +182,21 @@ def check_oracle(ranks: list[dict]) -> list[str]:
                 for e in entries:
                     if e["part"] == P and ranks[0]["exchange"] == "two_phase":
                         continue   # the re-encode of an average: checked through the chain
-                    want = codec.encode(e["values"], table, bucket_size=BUCKET,
-                                        norm=ranks[0]["norm"],
-                                        key=StreamKey(SEED, rank, q_step, e["index"], e["part"]))
+                    want = encode(e["values"], table, bucket_size=BUCKET,
+                                  norm=ranks[0]["norm"],
+                                  key=StreamKey(SEED, rank, q_step, e["index"], e["part"]))
                     if not np.array_equal(want, e["payload"]):
                         problems.append(f"step {step} rank {rank} {e['bucket']} part "
-                                        f"{e['part']}: the payload is not codec.encode's")
+                                        f"{e['part']}: the payload is not {encode.__name__}'s")
         for name, numel, mode, params in ranks[0]["buckets"]:
             def of(rank, part, name=name):
                 return next(e for e in sent[rank] if e["bucket"] == name and e["part"] == part)
-            if mode == "allgather":
-                want = codec.decode_average(np.stack([of(r, 0)["payload"] for r in range(P)]),
-                                            table)
+            if mode == "allgather":   # (a list: entropy-coded payloads differ in length)
+                want = codec.decode_average([of(r, 0)["payload"] for r in range(P)], table)
             else:
                 pieces = []
                 for r in range(P):
-                    avg = codec.decode_average(
-                        np.stack([of(p, r)["payload"] for p in range(P)]), table)
+                    avg = codec.decode_average([of(p, r)["payload"] for p in range(P)], table)
                     avg[max(numel - r * avg.size, 0):] = 0
                     again = of(r, P)
                     if not np.array_equal(again["values"], avg):
@@ -209,8 +220,8 @@ def report(args, gathered: list[dict], device: str, world: int, seconds: float) 
     import torch
 
     lines, failed = [], False
-    for exchange, ef in ORACLE_RUNS:
-        name = f"oracle {exchange}{', error feedback' if ef else ''}"
+    for exchange, ef, wire in ORACLE_RUNS:
+        name = oracle_name(exchange, ef, wire)
         outs = [o[name] for o in gathered]
         if any(o[0] != "ok" for o in outs):
             problems = ["error:\n```\n" + [o[1] for o in outs if o[0] != "ok"][0][-3000:]
@@ -219,7 +230,9 @@ def report(args, gathered: list[dict], device: str, world: int, seconds: float) 
             problems = check_oracle([o[1] for o in outs])
         failed |= bool(problems)
         detail = "; ".join(problems)[:2000] or (
-            "gradients bit-exact vs numpy decode" + ("" if ef else ", payloads vs codec.encode")
+            "gradients bit-exact vs numpy decode" + ("" if ef else ", payloads vs codec."
+                                                     + ("encode_entropy" if wire == "entropy"
+                                                        else "encode"))
             + ", versions 1,1,2")
         lines.append(f"| {name} | {'PASS' if not problems else 'FAIL'} | {detail} |")
     timing, counts = [], []
@@ -271,9 +284,9 @@ def main(argv=None) -> int:
         device, sizes = torch.device("cuda", hvd.local_rank()), TIMING_SIZES
         name = f"{torch.cuda.get_device_name(device)}, NCCL built: {bool(hvd.nccl_built())}"
     outcomes = {}
-    for exchange, ef in ORACLE_RUNS:
-        outcomes[f"oracle {exchange}{', error feedback' if ef else ''}"] = outcome(
-            oracle_run, torch, hvd, device, exchange, ef)
+    for exchange, ef, wire in ORACLE_RUNS:
+        outcomes[oracle_name(exchange, ef, wire)] = outcome(
+            oracle_run, torch, hvd, device, exchange, ef, wire)
     for key, packed, chosen in COST_RUNS:
         outcomes[f"costs {key}"] = outcome(costs_run, torch, hvd, device, sizes,
                                            args.timing_steps, packed, chosen)

@@ -84,7 +84,7 @@ def test_gpu_wheel_script_says_what_it_needs():
     assert run.returncode == 1 and "no Python 2.1 here" in run.stderr
 
 
-@pytest.mark.slow     # two Horovod ranks and four small trainings: the slow matrix
+@pytest.mark.slow     # two Horovod ranks and six small trainings: the slow matrix
 def test_gpu_check_horovod_dry_run_passes(tmp_path):
     out = tmp_path / "gpu_horovod.md"
     horovodrun = Path(sys.executable).parent / "horovodrun"
@@ -96,8 +96,9 @@ def test_gpu_check_horovod_dry_run_passes(tmp_path):
         check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     text = out.read_text()
-    assert text.count("| PASS |") == 4 and "FAIL" not in text
-    assert "payloads vs codec.encode" in text and "packed ALQ 3-bit" in text
+    assert text.count("| PASS |") == 6 and "FAIL" not in text
+    assert "payloads vs codec.encode," in text and "payloads vs codec.encode_entropy" in text
+    assert "packed ALQ 3-bit, entropy-coded wire" in text
 
 
 def test_step_costs_count_what_the_sync_debug_mode_reports():
