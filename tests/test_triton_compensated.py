@@ -512,6 +512,66 @@ def test_a_settled_bucket_launches_a_handful_of_kernels(monkeypatch, mode, feedb
     assert got == LAUNCHES[(mode, feedback, masked)], " ".join(f"{k}: {v}" for k, v in seen.items())
 
 
+#: Host reads of rank 0 per entropy-coded bucket (the optimizer's: masked, P = 2) on a settling
+#: wire with Triton's kernels, by stage (docs/gpu.md §1): the send reads max|x| once, then per
+#: payload the histogram and the words' number; two-phase's advance reads its alltoall rows'
+#: headers and flag, and the re-encode its own check, histogram and words' number; the
+#: allgathers' rows are checked from the host copy the collective made to delimit them.
+ENTROPY_READS = {"allgather": {"send": 3, "advance": 0, "finish": 0, "settle": 1},
+                 "two_phase": {"send": 5, "advance": 5, "finish": 0, "settle": 1}}
+
+
+@interpreter_only
+@pytest.mark.parametrize("mode", list(ENTROPY_READS))
+def test_an_entropy_coded_bucket_reads_the_host_this_often(monkeypatch, mode):
+    # what would wait for a CUDA device, counted on CPU tensors: copies to the host (cpu(),
+    # tolist()), item() and bool() (_local_scalar_dense), boolean indexing (its output's size)
+    # and torch.bincount (its input's minimum and maximum); the host-to-device copies, which a
+    # CPU tensor cannot show, go through payload.host_to_device and device_constant
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests import test_torch_wire as wire_tests
+
+    reads: dict[str, int] = {}
+    state = {"stage": None}
+
+    def counted(method):
+        def run(self, *args, **kwargs):
+            if state["stage"]:
+                reads[state["stage"]] = reads.get(state["stage"], 0) + 1
+            return method(self, *args, **kwargs)
+        return run
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._overloadpacket.__name__
+            bool_index = name == "index" and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+            if state["stage"] and (name in ("_local_scalar_dense", "bincount") or bool_index):
+                reads[state["stage"]] = reads.get(state["stage"], 0) + (
+                    2 if name == "bincount" else 1)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted(torch.Tensor.cpu))
+    monkeypatch.setattr(torch.Tensor, "tolist", counted(torch.Tensor.tolist))
+    monkeypatch.setattr(kernels, "implementation_for", lambda device: "triton")
+    P = 2
+    _, ranks = wire_tests._ranks(P, mode, wire_tests._qsgd, coding="entropy",
+                                 numels=wire_tests.BIG, masked=True, defer=True)
+    grads = wire_tests._grads(P, numels=wire_tests.BIG)
+    with Reads():
+        for stage, do in (("send", lambda w, b, g: w.submit(b, torch.from_numpy(g))),
+                          ("advance", lambda w, b, g: w.advance(b)),
+                          ("finish", lambda w, b, g: w.finish(b)),
+                          ("settle", lambda w, b, g: w.settle([b]))):
+            for r, ((_, wire, bucket), g) in enumerate(zip(ranks, grads)):
+                state["stage"] = stage if r == 0 else None
+                do(wire, bucket, g)
+                state["stage"] = None
+    assert {stage: reads.get(stage, 0) for stage in ENTROPY_READS[mode]} == ENTROPY_READS[mode]
+    assert all(bucket.result is not None for _, _, bucket in ranks)
+
+
 @cuda_only
 @pytest.mark.parametrize("mode", ["allgather", "two_phase"])
 def test_cuda_wire_fused_is_bitwise_the_unfused_steps(monkeypatch, mode):

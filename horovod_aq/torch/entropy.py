@@ -68,14 +68,17 @@ __all__ = ["average_values", "decode", "decode_average", "decode_each", "device_
 
 
 def encode_entropy(x: torch.Tensor, levels: LevelTable | Any, *, bucket_size: int,
-                   norm: str = "l2", key: StreamKey, checksum: bool = False) -> torch.Tensor:
+                   norm: str = "l2", key: StreamKey, checksum: bool = False,
+                   checked: bool = False) -> torch.Tensor:
     """``codec.encode_entropy(x, levels, bucket_size=, norm=, key=key, checksum=)`` byte for
-    byte, as a uint8 tensor on x's device (module docstring: where it runs)."""
+    byte, as a uint8 tensor on x's device (module docstring: where it runs). ``checked``: the
+    caller found x finite with every bucket norm within float32 (``kernels.encode``), so the
+    Triton encode does not read its own check on the host."""
     checksum = codec.check_bool("checksum", checksum)
     impl = kernels.implementation_for(x.device)
     if impl == "triton":
         return encode_entropy_triton(x, levels, bucket_size=bucket_size, norm=norm, key=key,
-                                     checksum=checksum)
+                                     checksum=checksum, checked=checked)
     from horovod_aq.codec import fused_entropy
 
     host = as_float32_flat(x).detach().cpu().numpy()
@@ -85,13 +88,14 @@ def encode_entropy(x: torch.Tensor, levels: LevelTable | Any, *, bucket_size: in
 
 
 def encode_entropy_triton(x: torch.Tensor, levels: LevelTable | Any, *, bucket_size: int,
-                          norm: str = "l2", key: StreamKey,
-                          checksum: bool = False) -> torch.Tensor:
+                          norm: str = "l2", key: StreamKey, checksum: bool = False,
+                          checked: bool = False) -> torch.Tensor:
     """The Triton path of :func:`encode_entropy` (CUDA; CPU tensors under
     ``TRITON_INTERPRET=1``): codes of the fixed-width payload, histogram, host model,
     ``triton_entropy.encode_symbols``, assembled on x's device (docs/format.md §12 layout)."""
     table = codec.as_table(levels)
-    fixed = triton_send.encode(x, table, bucket_size=bucket_size, norm=norm, key=key)
+    fixed = triton_send.encode(x, table, bucket_size=bucket_size, norm=norm, key=key,
+                               checked=checked)
     return entropy_of_fixed(fixed, table, x.numel(), bucket_size, checksum=checksum)
 
 
@@ -196,8 +200,10 @@ def device_values(rows: Sequence[torch.Tensor], levels: LevelTable | Any, *, num
     expected = np.frombuffer(codec.make_header(numel, table, bucket_size, norm), np.uint8)
     coded = expected.copy()
     coded[FLAGS_OFFSET] |= FLAG_ENTROPY
-    meta = torch.stack([lay.metadata(r) for r in (rows if host is None else host)]
-                       ).cpu().numpy()   # the one read
+    if host is None:
+        meta = torch.stack([lay.metadata(r) for r in rows]).cpu().numpy()   # the one read
+    else:
+        meta = torch.stack([lay.metadata(r) for r in host]).numpy()
     sections: list[tuple[np.ndarray, np.ndarray] | None] = []
     for row, head in zip(rows, meta):
         if np.array_equal(head[:HEADER_SIZE], expected) and row.numel() == lay.fixed_size:

@@ -498,8 +498,9 @@ class Wire:
         if send is not None:
             encode = lambda x, table, *, key, **_: send.encode(x, None, None, key)  # noqa: E731
         else:
-            encode = entropy.encode_entropy if bucket.variable else (
-                lambda *a, **k: kernels.encode(*a, **k, checked=checked))
+            encode = lambda *a, **k: (  # noqa: E731
+                entropy.encode_entropy if bucket.variable else kernels.encode)(
+                    *a, **k, checked=checked)
         payload = self.timed_encode(bucket, part, lambda key: encode(
             x, bucket.table, bucket_size=q.bucket_size, norm=q.norm, key=key,
             checksum=q.checksum))
