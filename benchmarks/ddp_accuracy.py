@@ -88,6 +88,18 @@ GLOO_TIMEOUT_S = 900
 QUICK_STEPS = 20
 
 
+def _codings(state) -> list[str]:
+    """The codings ``wire="auto"`` decided for the hook's buckets (``["undecided"]`` while it
+    still measures): the steady bytes are those of the fixed-width or entropy-coded wire."""
+    auto = state.autowire
+    if auto.wire != "auto":
+        return [auto.wire]
+    if auto.decision is None:
+        return ["undecided"]
+    decision = auto.decision
+    return sorted({choice.coding for choice in decision.choices})
+
+
 def ring_bytes(numel: int, ranks: int, itemsize: int = 4) -> float:
     """Bytes one rank sends in a ring allreduce of ``numel`` values (docs/protocol.md §5.3)."""
     return 2 * (ranks - 1) / ranks * itemsize * numel
@@ -235,7 +247,8 @@ def _train(cfg: dict, kind: str, *, bits: int = 0, prank: int = 0, ef: bool = Fa
                    bytes_steady=statistics.median(hist), telemetry_steps=t["steps"],
                    telemetry_bytes_fp32=t["bytes_fp32"] / t["steps"],
                    bits_per_coordinate=t["bits_per_coordinate"],
-                   ddp_buckets=len(state.layout), exchange=[b[2] for b in state.buckets])
+                   ddp_buckets=len(state.layout), exchange=[b[2] for b in state.buckets],
+                   codings=_codings(state))
     else:
         if max(c["index"] for c in calls) != 0:
             raise RuntimeError(f"PowerSGD saw {1 + max(c['index'] for c in calls)} buckets")

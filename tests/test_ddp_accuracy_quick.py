@@ -64,7 +64,10 @@ def test_ddp_accuracy_quick(tmp_path):
         assert run["steps"] == bench.QUICK_STEPS and run["telemetry_steps"] == run["steps"]
         assert run["telemetry_bytes_fp32"] == pytest.approx(fp32)
         ratio = run["bytes_steady"] / fp32
-        assert bits / 32 < ratio < (bits + 1) / 32, (bits, ratio)
+        if run["codings"] == ["fixed"]:   # b bits per coordinate, plus headers and norms
+            assert bits / 32 < ratio < (bits + 1) / 32, (bits, ratio)
+        else:   # wire="auto" timed the entropy-coded wire faster here: fewer bytes, never more
+            assert (bits - 1) / 32 < ratio < (bits + 1) / 32, (bits, ratio, run["codings"])
         assert run["error_feedback"] is False
     for bits in (2, 3):                          # the hook's default at <= 3 bits: error feedback
         ef = results[bench.ef_label(bits)][0]
