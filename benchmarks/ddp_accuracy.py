@@ -96,8 +96,7 @@ def _codings(state) -> list[str]:
         return [auto.wire]
     if auto.decision is None:
         return ["undecided"]
-    decision = auto.decision
-    return sorted({choice.coding for choice in decision.choices})
+    return sorted({choice.coding for choice in auto.decision.choices})
 
 
 def ring_bytes(numel: int, ranks: int, itemsize: int = 4) -> float:

@@ -739,7 +739,7 @@ class Wire:
         started = time.perf_counter()
         average = bucket.stage == "ag"
         got = self._plain(bucket, rows, self._payload_numel(bucket, average), average=average,
-                          host=received.host_row_list() if bucket.variable else None)
+                          host=received.host_row_list())
         if got is not None and self.defer:
             result, bucket.unsettled = got[0], (got[1], rows, average)
         elif got is not None and bool(got[1]):   # one synchronisation
