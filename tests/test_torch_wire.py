@@ -288,6 +288,24 @@ def test_a_bad_chunk_found_when_settled_stops_every_rank(kernels):
     assert isinstance(errors[1], codec.NonFiniteGradientError) and "on rank 0" in str(errors[1])
 
 
+@pytest.mark.parametrize("kernels", ["auto", "triton"], indirect=True)
+def test_a_bad_entropy_coded_chunk_raises_its_payload_error(kernels, defer):
+    # an entropy-coded row only rank 0 receives has a NaN norm: with Triton its flag is read
+    # with the re-encode's histograms (entropy.entropy_of_parts), and the rows then take the
+    # checked path, which raises the payload's error as at once
+    P = 2
+    net, ranks = _ranks(P, "two_phase", _qsgd, coding="entropy", numels=BIG, defer=defer)
+    for (comp, wire, bucket), g in zip(ranks, _grads(P, numels=BIG)):
+        wire.submit(bucket, torch.from_numpy(g))
+    [alltoall] = [key for key in net.sent if key.startswith("aq.a2a")]
+    to_rank0 = net.sent[alltoall][1][0]       # from rank 1
+    assert to_rank0[codec.FLAGS_OFFSET] & codec.FLAG_ENTROPY
+    to_rank0[codec.HEADER_SIZE:codec.HEADER_SIZE + 4] = torch.tensor([255, 255, 255, 127])
+    comp, wire, bucket = ranks[0]
+    with pytest.raises(codec.PayloadError):
+        wire.advance(bucket)
+
+
 @pytest.mark.parametrize("nonfinite", ["raise", "skip"])
 def test_an_average_past_float32_is_a_marker_for_every_rank(kernels, defer, nonfinite):
     """Two-phase: both ranks' first bucket fits a float32 norm, the re-encoded average of
@@ -533,14 +551,38 @@ def test_error_feedback_memory_on_the_entropy_wire():
                                    grads[r] - codec.decode(payload, table), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("kernels", ["auto", "triton"], indirect=True)
 @pytest.mark.parametrize("mode", ["allgather", "two_phase"])
-def test_a_marker_among_entropy_payloads_names_rank_and_parameter(mode):
+def test_a_marker_among_entropy_payloads_names_rank_and_parameter(kernels, defer, mode):
+    # with Triton the send is encoded first and chosen with the histograms' read
+    # (entropy.entropy_of_parts): the marker names the same element as the host check
     P = 3
-    _, ranks = _ranks(P, mode, _qsgd, coding="entropy", numels=BIG, masked=True)
+    _, ranks = _ranks(P, mode, _qsgd, coding="entropy", numels=BIG, masked=True, defer=defer)
     grads = _grads(P, numels=BIG)
     grads[1][4003] = np.inf                   # parameter "b" occupies elements 4000..4006
     errors = _marker_errors(ranks, grads)
     assert len(set(errors)) == 1 and "on rank 1" in errors[0] and "'b'" in errors[0]
+
+
+@pytest.mark.parametrize("kernels", ["auto", "triton"], indirect=True)
+def test_an_entropy_coded_average_past_float32_is_a_marker_for_every_rank(kernels, defer):
+    # two-phase, entropy-coded: rank 0's re-encoded average of chunk 0 cannot travel (as in
+    # test_an_average_past_float32_is_a_marker_for_every_rank), a marker of the chunk's size
+    # naming element 0·m + j goes out instead, and both ranks raise naming parameter 'w'
+    _, ranks = _ranks(2, "two_phase", _qsgd, coding="entropy", numels=BIG, defer=defer)
+    grads = _grads(2, numels=BIG)
+    for g in grads:
+        g[:16] = 8e37
+    for (comp, wire, bucket), g in zip(ranks, grads):
+        wire.submit(bucket, torch.from_numpy(g))
+    for comp, wire, bucket in ranks:
+        wire.advance(bucket)
+    errors = []
+    for comp, wire, bucket in ranks:
+        with pytest.raises(codec.NonFiniteGradientError) as err:
+            _result(wire, bucket)
+        errors.append(str(err.value))
+    assert len(set(errors)) == 1 and "on rank 0" in errors[0] and "'w'" in errors[0], errors
 
 
 def test_bucket_coding_is_checked():

@@ -513,12 +513,14 @@ def test_a_settled_bucket_launches_a_handful_of_kernels(monkeypatch, mode, feedb
 
 
 #: Host reads of rank 0 per entropy-coded bucket (the optimizer's: masked, P = 2) on a settling
-#: wire with Triton's kernels, by stage (docs/gpu.md §1): the send reads max|x| once, then per
-#: payload the histogram and the words' number; two-phase's advance reads its alltoall rows'
-#: headers and flag, and the re-encode its own check, histogram and words' number; the
+#: wire with Triton's kernels, by stage (docs/gpu.md §1): the send reads every part's histogram
+#: with its outcome in one copy, then every part's words' number in another
+#: (``entropy.entropy_of_parts``); two-phase's advance reads its alltoall rows' headers, then
+#: their flag with the re-encode's histogram and outcome, then the words' number; the
 #: allgathers' rows are checked from the host copy the collective made to delimit them.
-ENTROPY_READS = {"allgather": {"send": 3, "advance": 0, "finish": 0, "settle": 1},
-                 "two_phase": {"send": 5, "advance": 5, "finish": 0, "settle": 1}}
+#: Before: 3 + 0 (allgather), 5 + 5 (two-phase, P = 2).
+ENTROPY_READS = {"allgather": {"send": 2, "advance": 0, "finish": 0, "settle": 1},
+                 "two_phase": {"send": 2, "advance": 3, "finish": 0, "settle": 1}}
 
 
 @interpreter_only

@@ -45,6 +45,19 @@ def test_histogram_is_bincount(bins, n):
     np.testing.assert_array_equal(got.cpu().numpy(), np.bincount(codes, minlength=bins))
 
 
+@pytest.mark.parametrize("counts", [[0], [5, 0, 3], [0, 0, 7, 1, 0], [9, 9]])
+def test_compact_gathers_what_the_boolean_mask_selects(counts):
+    # the last counts[b] words of each scratch row, in row order, without reading counts
+    width = 9
+    scratch = np.random.default_rng(len(counts)).integers(
+        0, 1 << 16, (len(counts), width)).astype(np.uint16)
+    keep = np.arange(width)[None, :] >= width - np.asarray(counts)[:, None]
+    got = te.compact(torch.from_numpy(scratch).to(DEVICE),
+                     torch.tensor(counts, dtype=torch.int64, device=DEVICE), sum(counts))
+    assert got.dtype == torch.uint16
+    np.testing.assert_array_equal(got.cpu().numpy(), scratch[keep])
+
+
 #: (bits, n): one symbol; a partial block at 3, 2 and 8 bits. Two blocks (n = BLOCK_SYMBOLS + 40
 #: at 8 bits) pass too but take 1.5 min in the interpreter; benchmarks/gpu_check.py runs them.
 @pytest.mark.parametrize("bits, n", [(3, 1), (3, 2000), (2, 4000), (8, 700)])

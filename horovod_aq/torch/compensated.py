@@ -11,8 +11,8 @@ buffer, with the wire's stream key and timing (``Wire.timed_encode``):
   by part;
 * **CUDA** (Triton): ``torch.triton_send.Send``: every part is launched without a host
   sync, then one device→host copy of the flags and per-bucket sums decides whether the bucket
-  travels (the entropy-coded wire and checksums add their own host round trips per part, as in
-  the unfused encode);
+  travels (checksums add their own host round trip per part; the entropy-coded wire reads
+  them with its histograms, then its sizes: ``Wire.entropy_code``);
 * **CUDA, decided on the device** (a wire that settles, ``Wire.defer``; fixed-width codes, no
   checksums, not while recording): the same launches, then the markers chosen on the device
   (``Send.decide``), h' swapped into the memory at once, and the outcome
@@ -131,9 +131,11 @@ def _compiled_parts(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | N
 
 
 def _launched(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | None,
-              out: torch.Tensor, spans: list[tuple[int, int, int]]) -> tuple[Any, list]:
+              out: torch.Tensor, spans: list[tuple[int, int, int]], *,
+              finish: bool = True) -> tuple[Any, list]:
     """CUDA: every part launched by ``triton_send.Send`` without waiting: the send and
-    its payloads as they travel (entropy-coded or sealed where the wire says so)."""
+    its payloads as they travel (sealed where the wire says so); not ``finish``: the
+    fixed-width payloads, for the entropy coder."""
     from horovod_aq.torch import triton_compensated, triton_send
 
     q, memory = wire.q, wire.memory
@@ -145,7 +147,7 @@ def _launched(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | None,
         def run(key, lo=lo, hi=hi, size=size):
             fixed = send.encode(g[lo:hi], None if h is None else h[lo:hi], out[lo:hi], key)
             return triton_compensated.finish(fixed, bucket.table, size, q.bucket_size,
-                                             coding=bucket.coding, checksum=q.checksum)
+                                             checksum=q.checksum) if finish else fixed
 
         payloads.append(wire.timed_encode(bucket, part, run))
     return send, payloads
@@ -154,7 +156,12 @@ def _launched(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | None,
 def _triton_parts(wire: Any, bucket: Any, g: torch.Tensor, h: torch.Tensor | None,
                   out: torch.Tensor, spans: list[tuple[int, int, int]]) -> Parts | None:
     """CUDA: every part launched (:func:`_launched`), then the send's one device→host read
-    decides (the parts of a bucket that cannot travel are discarded)."""
+    decides (the parts of a bucket that cannot travel are discarded); entropy-coded parts:
+    read with their histograms, then coded (``Wire.entropy_code``: two reads for them all)."""
+    if bucket.variable:
+        send, fixed = _launched(wire, bucket, g, h, out, spans, finish=False)
+        payloads, result, _ = wire.entropy_code(bucket, send, fixed)
+        return None if payloads is None else (payloads, *send.outcome_of(result))
     send, payloads = _launched(wire, bucket, g, h, out, spans)
     found = send.outcome()
     return None if found is None else (payloads, *found)

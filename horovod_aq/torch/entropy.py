@@ -12,10 +12,11 @@ rows of any lengths and kinds. Where each runs (``kernels.implementation_for``):
   (same codes as every kernel), its codes unpacked on the device, their histogram (counted
   on the device, read on the host), the code table and product model on the host
   (``entropy_format``, shared by every implementation), the symbols grouped on the device and
-  coded by ``triton_entropy.encode_symbols`` (whose words' compaction reads their number); the
-  payload is assembled on the device, the host's bytes sent without waiting
-  (``payload.host_to_device``): two host synchronisations per payload, the histogram and the
-  size. Checksums are computed on the host (``payload.seal_checksum``).
+  coded by ``triton_entropy.encode_blocks``, the words compacted once their number is read;
+  the payload is assembled on the device, the host's bytes sent without waiting
+  (``payload.host_to_device``): two host synchronisations for all the parts of a send
+  (:func:`entropy_of_parts`: the histograms, with the send's outcome, then the sizes).
+  Checksums are computed on the host (``payload.seal_checksum``).
 * **CUDA with Triton** ("triton"), decode (:func:`device_values`): one device→host copy of
   the rows' headers, coder headers, block counts and code tables, checked on the host against
   what this rank's encoder writes; the models (f, c, slot table) built on the host and copied
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -64,7 +65,7 @@ from horovod_aq.torch import kernels, triton_send
 from horovod_aq.torch.payload import as_float32_flat, host_to_device, seal_checksum
 
 __all__ = ["average_values", "decode", "decode_average", "decode_each", "device_values",
-           "encode_entropy"]
+           "Coded", "encode_entropy", "entropy_of_fixed", "entropy_of_parts"]
 
 
 def encode_entropy(x: torch.Tensor, levels: LevelTable | Any, *, bucket_size: int,
@@ -103,31 +104,106 @@ def entropy_of_fixed(fixed: torch.Tensor, table: LevelTable, n: int, bucket_size
                      checksum: bool = False) -> torch.Tensor:
     """``codec.encode_entropy``'s payload of the codes of a fixed-width payload of n
     coordinates on the device (the Triton path: histogram, host model, rANS; the fixed payload
-    itself where it is not larger)."""
+    itself where it is not larger): :func:`entropy_of_parts` of one part."""
+    return entropy_of_parts([fixed], table, [n], bucket_size, checksum=checksum).payloads[0]
+
+
+class Coded(NamedTuple):
+    """What :func:`entropy_of_parts` returns."""
+
+    #: The payloads that travel, in part order; None where step 2 did not run (the send's
+    #: bucket cannot travel, or ``plain`` was False).
+    payloads: list[torch.Tensor] | None
+    #: The host copy of ``send.result`` (float64), for ``Send.outcome_of`` and
+    #: ``Send.first_bad_of``; None without a send.
+    result: np.ndarray | None
+    #: ``plain``, read in the same copy (True without it).
+    plain: bool
+
+
+def entropy_of_parts(fixed: Sequence[torch.Tensor], table: LevelTable, numels: Sequence[int],
+                     bucket_size: int, *, checksum: bool = False, send: Any = None,
+                     plain: torch.Tensor | None = None) -> Coded:
+    """:func:`entropy_of_fixed` of every part of a send (fixed-width payloads of ``numels``
+    coordinates on one device) with two host reads for them all:
+
+    1. each part's codes unpacked and counted on the device (``triton_entropy.histogram``),
+       every histogram read in one copy — with ``send``'s flags and minima, a
+       ``triton_send.Send`` whose parts these are (``Send.result``), and the 0-dim bool
+       device tensor ``plain`` (two-phase's re-encode: whether the rows it averaged were
+       plain);
+    2. unless ``send.outcome_of`` says a bucket cannot travel or ``plain`` is False: the code
+       tables and models built on the host (``entropy_format``) and copied without waiting,
+       each part's blocks coded (``triton_entropy.encode_blocks``), every block count read in
+       one copy, the words compacted on the device (``triton_entropy.compact``) and each
+       payload assembled (docs/format.md §12 layout): the entropy-coded one where it is
+       smaller than the fixed-width one."""
     from horovod_aq.torch import triton_entropy
 
     bits, N = table.bits, table.num_levels
-    if n == 0:
-        return seal_checksum(fixed) if checksum else fixed
-    codes_at = HEADER_SIZE + NORM_BYTES * codec.num_buckets(n, bucket_size)
-    codes = kernels.unpack_bits(fixed[codes_at:], bits, n)            # uint8, on the device
-    counts_of = triton_entropy.histogram(codes, N).cpu().numpy()     # the model's read
-    t = normalize_frequencies(counts_of, CODE_TABLE_BITS).astype(np.uint16)
-    f, c = symbol_model(t, bits)
+    coded = [k for k, n in enumerate(numels) if n]
+    codes = {k: kernels.unpack_bits(fixed[k][_codes_at(numels[k], bucket_size):], bits,
+                                    numels[k]) for k in coded}                    # 1.
+    read_with = ([] if send is None else [send.result.view(torch.int64)]) + (
+        [] if plain is None else [plain.reshape(1).to(torch.int64)])
+    counted = read_with + [triton_entropy.histogram(codes[k], N) for k in coded]
+    read = torch.cat(counted).cpu().numpy() if counted else None   # the read
+    result, ok = None, True
+    if send is not None:
+        result, read = read[:send.result.numel()].view(np.float64), read[send.result.numel():]
+    if plain is not None:
+        ok, read = bool(read[0]), read[1:]
+    if not ok or (send is not None and send.outcome_of(result) is None):
+        return Coded(None, result, ok)
+    models, blocks = {}, {}
+    for j, k in enumerate(coded):                                                 # 2.
+        t = normalize_frequencies(read[j * N:(j + 1) * N], CODE_TABLE_BITS).astype(np.uint16)
+        models[k] = t, *symbol_model(t, bits)
+        blocks[k] = triton_entropy.encode_blocks(_symbols(codes[k], numels[k], bits),
+                                                 *models[k][1:])
+    totals = (torch.stack([blocks[k][2].sum() for k in coded]).cpu().numpy()    # the read
+              if coded else [])
+    payloads = []
+    for k, n in enumerate(numels):
+        payload = fixed[k]
+        if n:
+            scratch, states, counts = blocks[k]
+            size = entropy_payload_size(n, bits, bucket_size, N, int(totals[coded.index(k)]))
+            if size < payload.numel():
+                words = triton_entropy.compact(scratch, counts, int(totals[coded.index(k)]))
+                payload = _assemble(payload, models[k][0], n, bucket_size, bits, size,
+                                    words, states, counts)
+        payloads.append(seal_checksum(payload) if checksum else payload)
+    return Coded(payloads, result, ok)
+
+
+def _codes_at(n: int, bucket_size: int) -> int:
+    """Where the packed codes of a payload of n coordinates start (header, then norms)."""
+    return HEADER_SIZE + NORM_BYTES * codec.num_buckets(n, bucket_size)
+
+
+def _symbols(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """The rANS symbols of n codes: groups of g = ``GROUPS[bits]`` codes, code i of a group in
+    bits i·b (docs/format.md §12), the last group padded with copies of the last code."""
     g = GROUPS[bits]
     nsym = -(-n // g)
-    if nsym * g != n:   # the last symbol is padded with copies of the last code
+    if nsym * g != n:
         codes = torch.cat([codes, codes[-1:].expand(nsym * g - n)])
     shifts = torch.arange(g, dtype=torch.int32, device=codes.device) * bits
-    symbols = (codes.view(nsym, g).to(torch.int32) << shifts).sum(dim=1).to(torch.uint8)
-    words, states, counts = triton_entropy.encode_symbols(symbols, f, c)
-    size = entropy_payload_size(n, bits, bucket_size, N, words.numel())
-    if size >= fixed.numel():
-        return seal_checksum(fixed) if checksum else fixed
+    return (codes.view(nsym, g).to(torch.int32) << shifts).sum(dim=1).to(torch.uint8)
+
+
+def _assemble(fixed: torch.Tensor, t: np.ndarray, n: int, bucket_size: int, bits: int,
+              size: int, words: torch.Tensor, states: torch.Tensor,
+              counts: torch.Tensor) -> torch.Tensor:
+    """The entropy-coded payload of ``size`` bytes: the fixed payload's header (entropy flag
+    set) and norms, the coder header and code table t (the host's bytes, in one copy that does
+    not wait), the lanes' states, the blocks' word counts and the words (docs/format.md §12)."""
+    codes_at = _codes_at(n, bucket_size)
     head = fixed[:HEADER_SIZE].clone()
     head[FLAGS_OFFSET] |= FLAG_ENTROPY
     coder = struct.pack(CODER_HEADER_FORMAT, size, *coder_fields(bits))
-    coder_and_table = host_to_device(   # the host's bytes, in one copy
+    coder_and_table = host_to_device(
         np.frombuffer(coder + t.astype("<u2").tobytes(), np.uint8), fixed.device)
     payload = torch.cat([
         head, fixed[HEADER_SIZE:codes_at], coder_and_table[:len(coder)],
@@ -136,7 +212,7 @@ def entropy_of_fixed(fixed: torch.Tensor, table: LevelTable, n: int, bucket_size
         coder_and_table[len(coder):],
         words.contiguous().view(torch.uint8).reshape(-1)])
     assert payload.numel() == size
-    return seal_checksum(payload) if checksum else payload
+    return payload
 
 
 class _Layout:

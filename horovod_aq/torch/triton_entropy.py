@@ -3,8 +3,9 @@
 Byte-identical to the numpy oracle (``horovod_aq.codec.rans``, docs/format.md §12). One
 program codes one block; its K = 32 lanes are the vector (DietGPU's layout: a warp's threads
 are the lanes), and a step's words are placed with a prefix sum over the lanes that emit (or
-read) one: encoding writes them backwards into a per-block scratch row, the host compacts the
-rows (``torch`` masked select) into the payload's WORDS. Decoding gives each lane its word by an
+read) one: encoding writes them backwards into a per-block scratch row (:func:`encode_blocks`),
+and :func:`compact` gathers the rows' words into the payload's WORDS once their total is known
+on the host. Decoding gives each lane its word by an
 exclusive prefix sum of the lanes that need one, and flags a block whose stream runs past its
 end, leaves words unread or ends a lane off 2^16; the caller then hands the payload to the
 oracle, which raises its ``PayloadError``.
@@ -39,8 +40,8 @@ from horovod_aq.codec.entropy_format import (
 from horovod_aq.codec.rans import slot_symbols
 from horovod_aq.torch.payload import host_to_device
 
-__all__ = ["decode_symbols", "decode_symbols_flagged", "encode_symbols", "histogram",
-           "model_array"]
+__all__ = ["compact", "decode_symbols", "decode_symbols_flagged", "encode_blocks",
+           "encode_symbols", "histogram", "model_array"]
 
 #: Codes counted by one program of :func:`histogram` (each program adds its counts to the
 #: result with one atomic add per bin).
@@ -151,7 +152,17 @@ def histogram(codes: torch.Tensor, num_bins: int) -> torch.Tensor:
 def encode_symbols(symbols: torch.Tensor, f: np.ndarray, c: np.ndarray
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(words uint16 [W], states uint32 [nblk, K], counts int64 [nblk]) of the nsym ≥ 1 uint8
-    ``symbols`` (a 1-D tensor on the kernel's device), as ``rans.encode_symbols``."""
+    ``symbols`` (a 1-D tensor on the kernel's device), as ``rans.encode_symbols``: the blocks
+    (:func:`encode_blocks`), then their words compacted (:func:`compact`) after one read of
+    their number."""
+    scratch, states, counts = encode_blocks(symbols, f, c)
+    return compact(scratch, counts, int(counts.sum())), states, counts
+
+
+def encode_blocks(symbols: torch.Tensor, f: np.ndarray, c: np.ndarray
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scratch uint16 [nblk, BLOCK_SYMBOLS + 1], states, counts) of ``symbols``, launched
+    without a host sync: block b's counts[b] words are the last ones of its scratch row."""
     nsym = symbols.numel()
     nblk = -(-nsym // BLOCK_SYMBOLS)
     device = symbols.device
@@ -161,10 +172,24 @@ def encode_symbols(symbols: torch.Tensor, f: np.ndarray, c: np.ndarray
     counts = torch.empty(nblk, dtype=torch.int64, device=device)
     _encode_kernel[(nblk,)](symbols, ft, ct, cmpl, scratch, states, counts, nsym,
                             LANES_C=LANES, STEPS_C=STEPS, PREC=PRECISION, LOW=STATE_LOW)
-    column = torch.arange(BLOCK_SYMBOLS + 1, device=device)[None, :]
-    keep = column >= (BLOCK_SYMBOLS + 1 - counts)[:, None]
-    # (boolean indexing has no uint16 kernel on CUDA: select the same 16-bit words as int16)
-    return scratch.view(torch.int16)[keep].view(torch.uint16), states, counts
+    return scratch, states, counts
+
+
+def compact(scratch: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+    """The words of every block in block order — the last counts[b] of scratch row b — given
+    their ``total`` = Σ counts (known on the host): gathered on the device, nothing read.
+    Word j of the result is row b_j's column width − counts[b_j] + (j − start_{b_j}), b_j its
+    block and start_b = Σ_{b' < b} counts[b']."""
+    nblk, width = scratch.shape
+    device = scratch.device
+    if total == 0:
+        return torch.empty(0, dtype=torch.uint16, device=device)
+    block = torch.repeat_interleave(torch.arange(nblk, device=device), counts,
+                                    output_size=total)
+    start = torch.cumsum(counts, 0) - counts
+    column = width - counts[block] + (torch.arange(total, device=device) - start[block])
+    # (advanced indexing has no uint16 kernel on CUDA: gather the same 16-bit words as int16)
+    return scratch.view(torch.int16)[block, column].view(torch.uint16)
 
 
 def decode_symbols(states: torch.Tensor, counts: torch.Tensor, words: torch.Tensor,

@@ -427,6 +427,13 @@ class Send:
             start += nb
         return not lost, squares
 
+    def first_bad_of(self, host: np.ndarray) -> int | None:
+        """The element :meth:`decide` names (without its offset), from a host copy of
+        :attr:`result`: the first bad g_i, else x_i, else the first element of the first bucket
+        whose norm is not finite; None where every element travels."""
+        first = host[-3:].view(np.int64)
+        return next((int(f) for f in first if f < NEVER), None)
+
     def refuse(self, flag: torch.Tensor) -> None:
         """Where the 0-dim bool device tensor ``flag`` is True, :meth:`decide` names element 0
         of the send whatever x holds (two-phase's averaged chunk of rows that were not plain,

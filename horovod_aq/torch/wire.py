@@ -17,7 +17,8 @@ Stages of a bucket (``Bucket.stage``)::
 1. :meth:`Wire.submit` sends the bucket's raw float32 gradient (``packed.send.send_bucket``;
    with error feedback one pass, CPU or Triton, encodes and updates the memory,
    ``torch.compensated``; without it, on Triton, the same one-pass kernel encodes and the
-   markers are put in place on the device after the encode, ``triton_send.Send``):
+   markers are put in place on the device after the encode, ``triton_send.Send`` — or, with
+   entropy coding, chosen on the host with the parts' histograms, ``entropy.entropy_of_parts``):
    one allgather "aq.ag.<bucket>" of the payload, or one alltoall "aq.a2a.<bucket>" of the P
    chunk payloads (markers in their place when the gradient cannot travel).
 2. :meth:`Wire.advance` (two-phase): waits for the alltoall, decides on the received chunks
@@ -48,7 +49,9 @@ fixed size: the collectives carry them with their sizes (docs/protocol.md §5.4 
 allgather reads them from the payloads' own headers, ``packed.delimit``; ``torch.distributed``
 gathers the sizes first) and the wire decodes the list of rows (``Received.row_list``) with the
 decoders of variable rows, bitwise ``codec.decode_average`` of the same rows (with Triton on the
-device, with one flag like the fixed rows', ``entropy.device_values``).
+device, with one flag like the fixed rows', ``entropy.device_values``; two-phase's alltoall
+flag is read with the re-encode's histograms, and rows that were not plain then take the
+checked path).
 
 A bucket may carry a **presence mask** (the optimizer's: one bit per parameter appended to every
 first-phase payload, ``np.packbits`` order): parameters no rank had a gradient for are then
@@ -375,8 +378,7 @@ class Wire:
         whole = bucket.mode == "allgather"
         sizes = [self._payload_numel(bucket, whole)] * (1 if whole else P)
         send = self._send(bucket, sizes, raw.device) if (
-            self.memory is None and not q.recording
-            and self.decides_on_device(bucket, raw)) else None
+            self.memory is None and not q.recording and self.launches_first(raw)) else None
         steps = SendSteps(compensate=lambda g: g if self.memory is None else
                           self.memory.compensate(bucket.key, g),
                           first_bad=self._first_bad, record=self._record,
@@ -388,7 +390,8 @@ class Wire:
                           encode_compensated=(lambda g: compensated.encode_compensated(
                               self, bucket, g)) if fused else None,
                           recording=lambda: q.recording,
-                          decide=None if send is None else lambda x, sent: send.decide())
+                          decide=None if send is None else
+                          lambda x, sent: self._decided(bucket, send, x, sent))
         update = None if self.memory is None else (
             lambda g, sent: self._update_memory(bucket, g, sent))
         payloads = send_bucket(raw, steps, update)
@@ -419,17 +422,57 @@ class Wire:
 
     def decides_on_device(self, bucket: Bucket, x: torch.Tensor) -> bool:
         """Whether a send of x can choose between payloads and markers on the device, after its
-        encode (``packed.send``, "Decided after the encode"): Triton's kernels (whose encode
-        skips the host check), fixed-width codes of float32 values, no checksums. A first-phase
-        send also needs a step that records nothing, and no error memory (or, with it, a wire
-        that settles: ``torch.compensated``)."""
-        q = self.q
-        return (not bucket.variable and not q.checksum and x.dtype == torch.float32
+        encode (``packed.send``, "Decided after the encode"): :meth:`launches_first`, with
+        fixed-width codes. A first-phase send also needs a step that records nothing, and no
+        error memory (or, with it, a wire that settles: ``torch.compensated``)."""
+        return not bucket.variable and self.launches_first(x)
+
+    def launches_first(self, x: torch.Tensor) -> bool:
+        """Whether a send of x can encode every part before ``packed.send`` step 2 (no error
+        memory, nothing recorded): Triton's kernels (whose encode skips the host check),
+        float32 values, no checksums. Step 2 then reads nothing with fixed-width codes
+        (``Send.decide``) and is read with the histograms of entropy coding
+        (:meth:`_decided`)."""
+        return (not self.q.checksum and x.dtype == torch.float32
                 and kernels.implementation_for(x.device) == "triton")
+
+    def _decided(self, bucket: Bucket, send: Any, x: torch.Tensor, fixed: list[torch.Tensor],
+                 *, part: int | None = None, offset: int = 0,
+                 plain: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+        """``packed.send`` step 2 after the encode of every part of x by ``send``
+        (:meth:`_send`; its fixed-width payloads ``fixed``): the payloads, or the markers naming
+        element ``offset`` + the first bad one. Fixed codes: chosen on the device
+        (``Send.decide``). Entropy coding: the payloads coded, the choice made on the host with
+        the histograms' read (:meth:`entropy_code`, with the re-encode's flag ``plain``: None
+        where it is False), and shown to the tap (as part ``part``, the re-encoded chunk x;
+        None: the parts of x)."""
+        if not bucket.variable:
+            return send.decide(offset=offset)
+        payloads, result, rows_plain = self.entropy_code(bucket, send, fixed, plain=plain)
+        if not rows_plain:
+            return None
+        if payloads is None:
+            mode, numel = ("allgather", x.numel()) if part is not None else (None, None)
+            return self._markers(bucket, offset + send.first_bad_of(result), x.device,
+                                 mode=mode, numel=numel)
+        if self.tap is not None:
+            views = [(part, x)] if part is not None else enumerate(self.parts(bucket, x))
+            for (k, values), payload in zip(views, payloads):
+                self.tap(bucket, k, values, payload)
+        return payloads
+
+    def entropy_code(self, bucket: Bucket, send: Any, fixed: list[torch.Tensor], *,
+                     plain: torch.Tensor | None = None) -> entropy.Coded:
+        """``entropy.entropy_of_parts`` of ``send``'s parts (``fixed``), timed as the encode."""
+        started = time.perf_counter()
+        got = entropy.entropy_of_parts(fixed, bucket.table, send.sizes, self.q.bucket_size,
+                                       checksum=self.q.checksum, send=send, plain=plain)
+        self.seconds["encode"] += time.perf_counter() - started
+        return got
 
     def _send(self, bucket: Bucket, sizes: list[int], device: torch.device) -> Any:
         """A send without error memory whose parts (of ``sizes`` coordinates) are encoded in one
-        pass each and decided on the device (``triton_send.Send.decide``)."""
+        pass each and decided after the encode (:meth:`_decided`)."""
         from horovod_aq.torch import triton_send
 
         q = self.q
@@ -504,7 +547,7 @@ class Wire:
         payload = self.timed_encode(bucket, part, lambda key: encode(
             x, bucket.table, bucket_size=q.bucket_size, norm=q.norm, key=key,
             checksum=q.checksum))
-        if self.tap is not None:
+        if self.tap is not None and not (send is not None and bucket.variable):  # _decided
             short = 0 if numel is None else numel - x.numel()
             self.tap(bucket, part, torch.nn.functional.pad(x, (0, short)) if short else x,
                      payload)
@@ -697,39 +740,68 @@ class Wire:
         # decided at settle, a chunk of rows that were not plain being replaced by its marker;
         # not with entropy coding: a marker in place of a shorter payload would misstate its size
         held = self.defer and got is not None and not bucket.variable
+        # entropy coding with Triton: the flag is read with the re-encode's histograms
+        late = got is not None and bucket.variable and self.launches_first(got[0])
         if held:
             chunk, bucket.unsettled_chunks = got[0], (got[1], rows)
+        elif late:
+            chunk = got[0]
         else:
             chunk = got[0] if got is not None and bool(got[1]) else None   # one synchronisation
         if chunk is None:
-            if self._outcome(bucket, rows, collective) == SKIP:
-                return
-            chunk = self._decode_average(bucket, self._unmask(bucket, rows), m)
+            chunk = self._checked_chunk(bucket, rows, collective, m)
         self.seconds["decode"] += time.perf_counter() - started
+        if chunk is None:   # skipped
+            return
+        payload = self._reencode(bucket, chunk, held=held, plain=got[1] if late else None)
+        if payload is None:   # the rows were not plain after all: decided as at once
+            chunk = self._checked_chunk(bucket, rows, collective, m)
+            if chunk is None:
+                return
+            payload = self._reencode(bucket, chunk)
+        self._count(0, sent_bytes("allgather", [payload.numel()], self.rank, P)[1])
+        self._allgather(bucket, payload, "ag2")
+
+    def _checked_chunk(self, bucket: Bucket, rows: Rows, collective: str,
+                       m: int) -> torch.Tensor | None:
+        """The checked path of two-phase's alltoall rows (``packed.receive``): None where the
+        bucket is skipped, else the average of chunk r (raises what is wrong)."""
+        if self._outcome(bucket, rows, collective) == SKIP:
+            return None
+        return self._decode_average(bucket, self._unmask(bucket, rows), m)
+
+    def _reencode(self, bucket: Bucket, chunk: torch.Tensor, *, held: bool = False,
+                  plain: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The payload of this rank's averaged ``chunk`` (part P), its absent parameters
+        zeroed, or its marker naming element r·m + j where it cannot travel, or r·m where its
+        rows were not plain (``held``: decided at :meth:`settle`); None where ``plain``, read
+        with the entropy coder's histograms, says they were not (the caller takes the checked
+        path)."""
+        q, P = self.q, self.ranks
+        m = chunk.numel()
         for lo, hi in chunk_zero_spans(bucket.numel, m, self.rank, bucket.spans(bucket.gone)):
             chunk[lo:hi] = 0.0
         if held and bucket.unsettled_seen is not None:   # absent parameters, on the device
             self._zero_unseen(bucket, chunk, bucket.unsettled_seen, m)
-        # rows that were not plain (held): a marker goes instead, naming element r·m
-        if self.decides_on_device(bucket, chunk):
+        if self.launches_first(chunk):
             send = self._send(bucket, [m], chunk.device)
-            self._encode(bucket, chunk, reencode_part(P), send=send)
+            fixed = self._encode(bucket, chunk, reencode_part(P), send=send)
             if held:
                 send.refuse(~bucket.unsettled_chunks[0])
-            [payload] = send.decide(offset=self.rank * m)
-        else:
-            payload = reencode_chunk(
-                chunk, self.rank, m, encode=lambda c: self._encode(bucket, c, reencode_part(P)),
-                first_bad=lambda c: self._first_bad(c, c),
-                marker=lambda bad: self._markers(bucket, bad, chunk.device, mode="allgather",
-                                                 numel=m)[0])
-            if held:
-                refused = (~bucket.unsettled_chunks[0]).to(torch.int64) - 1   # 0: not plain
-                [payload] = markers.markers_or([payload], refused, offset=self.rank * m,
-                                               numel=m, table=bucket.table,
-                                               bucket_size=q.bucket_size, norm=q.norm)
-        self._count(0, sent_bytes("allgather", [payload.numel()], self.rank, P)[1])
-        self._allgather(bucket, payload, "ag2")
+            sent = self._decided(bucket, send, chunk, [fixed], part=reencode_part(P),
+                                 offset=self.rank * m, plain=plain)
+            return None if sent is None else sent[0]
+        payload = reencode_chunk(
+            chunk, self.rank, m, encode=lambda c: self._encode(bucket, c, reencode_part(P)),
+            first_bad=lambda c: self._first_bad(c, c),
+            marker=lambda bad: self._markers(bucket, bad, chunk.device, mode="allgather",
+                                             numel=m)[0])
+        if held:
+            refused = (~bucket.unsettled_chunks[0]).to(torch.int64) - 1   # 0: not plain
+            [payload] = markers.markers_or([payload], refused, offset=self.rank * m,
+                                           numel=m, table=bucket.table,
+                                           bucket_size=q.bucket_size, norm=q.norm)
+        return payload
 
     # ------------------------------------------------------------------ 3. the allgathers
     def _gathered(self, bucket: Bucket, received: Received) -> None:
