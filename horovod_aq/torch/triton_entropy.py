@@ -12,9 +12,10 @@ oracle, which raises its ``PayloadError``.
 
 The model (code table, f, c: 2^(g·b) ≤ 256 entries) is built on the host by
 ``horovod_aq.codec.entropy_format`` from the histogram of the codes (:func:`histogram`, one
-atomic add per bin and block of codes): one host round trip per payload, which a
-variable-length payload needs anyway to learn its size; the tables go back in one copy that
-does not wait for the device (``payload.host_to_device``).
+atomic add per bin and block of codes): one host round trip, for all the parts of a send
+(``torch.entropy.entropy_of_parts``), which a variable-length payload needs anyway to learn its
+size; the tables go back in one copy that does not wait for the device
+(``payload.host_to_device``).
 
     words, states, counts = encode_symbols(symbols, f, c)      # symbols: uint8 CUDA tensor
     symbols = decode_symbols(states, counts, words, f, c, nsym)  # None if the stream is bad
