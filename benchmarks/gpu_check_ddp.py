@@ -20,6 +20,7 @@ averaging across ranks) and checks:
 
     python benchmarks/gpu_check_ddp.py --out benchmarks/results/gpu_ddp.md
     python benchmarks/gpu_check_ddp.py --dry-run          # CPU, Gloo, 2 ranks, small sizes
+    python benchmarks/gpu_check_ddp.py --interpret        # the dry run on the GPU's code path
     python benchmarks/gpu_check_ddp.py --share-gpu 2      # 2 ranks on GPU 0, Gloo, CUDA tensors
 
 Exit status 1 if a check fails. The report (Markdown) goes to ``--out`` (default: printed).
@@ -46,6 +47,11 @@ sys.path.insert(0, str(ROOT))
 BUCKET = 256
 SEED = 5
 ORACLE_SIZES = (64, 512, 512, 256, 10)
+#: DDP's bucket cap of the oracle runs: several buckets (and so several units) per step.
+BUCKET_CAP_MB = 0.5
+#: The oracle and timing model of ``--interpret`` (Triton's interpreter runs a kernel's
+#: programs one after another in Python), and its cap: ≈ 7K parameters in 3 buckets.
+INTERPRETED_SIZES, INTERPRETED_CAP_MB = (8, 64, 64, 32, 10), 0.01
 TIMING_SIZES = (2048, 4096, 4096, 1024, 10)     # ≈ 29M parameters
 
 
@@ -57,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timing-steps", type=int, default=20)
     p.add_argument("--dry-run", action="store_true",
                    help="CPU: Gloo, 2 ranks, small timing model (numbers meaningless)")
+    p.add_argument("--interpret", action="store_true",
+                   help="a dry run on the GPU's code path: Triton's kernels in its interpreter "
+                        "on CPU tensors (HOROVOD_AQ_KERNELS=triton, TRITON_INTERPRET=1), a tiny "
+                        "model and 2 timing steps (slow: the interpreter)")
     p.add_argument("--share-gpu", type=int, default=0, metavar="RANKS",
                    help="RANKS processes on GPU 0 over Gloo (CUDA tensors; NCCL refuses two "
                         "ranks on one device): the multi-rank paths on a one-GPU machine")
@@ -87,7 +97,7 @@ def oracle_run(torch, device, exchange, steps, wire="fixed"):
 
     model = _model(torch, ORACLE_SIZES).to(device)
     net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=0.5)
+              bucket_cap_mb=BUCKET_CAP_MB)
     comp = horovod_aq.ALQ(bits=3, bucket_size=BUCKET, seed=SEED, schedule="0,2,0")
     state = aqddp.register(net, comp, exchange=exchange, wire=wire)
     from tests.ranks import record_ddp_submits
@@ -253,6 +263,9 @@ def rank_main(rank, world, port, args, outdir):
     from horovod_aq.torch.process_exit import destroy_and_exit
 
     torch.set_num_threads(1)
+    if args.interpret:
+        global ORACLE_SIZES, BUCKET_CAP_MB
+        ORACLE_SIZES, BUCKET_CAP_MB = INTERPRETED_SIZES, INTERPRETED_CAP_MB
     if args.dry_run:
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -344,11 +357,15 @@ def check_oracle(ranks: list[dict], world: int) -> list[str]:
 
 def main() -> int:
     args = parse_args()
+    if args.interpret:   # before torch: the ranks inherit the environment
+        os.environ.update(HOROVOD_AQ_KERNELS="triton", TRITON_INTERPRET="1")
+        args.dry_run, args.timing_steps = True, min(args.timing_steps, 2)
     import torch
     import torch.multiprocessing as mp
 
     if args.dry_run:
-        world, device = 2, "CPU (dry run: Gloo)"
+        world, device = 2, "CPU (dry run: Gloo" + (
+            "; Triton's kernels in its interpreter)" if args.interpret else ")")
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: use --dry-run on CPU", file=sys.stderr)

@@ -7,8 +7,10 @@ under ``horovodrun`` (rank 0 writes the report; every rank exits 1 if a check fa
     horovodrun --gloo -np 1 -H localhost:1 python benchmarks/gpu_check_horovod.py \
         --out benchmarks/results/gpu_horovod.md
     horovodrun --gloo -np 2 -H localhost:2 python benchmarks/gpu_check_horovod.py --dry-run
+    horovodrun --gloo -np 2 -H localhost:2 python benchmarks/gpu_check_horovod.py --interpret
 
-(``--dry-run``: CPU tensors over Gloo, small sizes; the numbers mean nothing.) Checks:
+(``--dry-run``: CPU tensors over Gloo, small sizes; the numbers mean nothing. ``--interpret``:
+the same on the GPU's code path, Triton's kernels in its interpreter, a tiny model.) Checks:
 
 1. **oracle**: ``ALQ(bits=3)`` refitting after steps 0 and 2, allgather and two-phase, error
    feedback off and on, and the entropy-coded wire without it, 3 steps each. Without error
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import sys
 import time
 import traceback
@@ -55,6 +58,9 @@ SEED = 5
 ORACLE_SIZES = (64, 512, 512, 256, 10)
 ORACLE_STEPS = 3
 FUSION_BYTES = 1 << 18       # several fused buckets for the oracle model
+#: The oracle and timing model of ``--interpret`` (Triton's interpreter runs a kernel's
+#: programs one after another in Python) and its fusion: ≈ 7K parameters in several buckets.
+INTERPRETED_SIZES, INTERPRETED_FUSION_BYTES = (8, 64, 64, 32, 10), 1 << 13
 #: (exchange, error feedback, wire) of the oracle runs: fixed codes with and without error
 #: feedback, and the entropy-coded wire without it.
 ORACLE_RUNS = [(exchange, ef, wire) for ef, wire in ((False, "fixed"), (True, "fixed"),
@@ -77,6 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timing-steps", type=int, default=20)
     p.add_argument("--dry-run", action="store_true",
                    help="CPU tensors, small timing model (numbers meaningless)")
+    p.add_argument("--interpret", action="store_true",
+                   help="a dry run on the GPU's code path: Triton's kernels in its interpreter "
+                        "on CPU tensors (HOROVOD_AQ_KERNELS=triton, TRITON_INTERPRET=1), a tiny "
+                        "model and 2 timing steps (slow: the interpreter)")
     return p.parse_args(argv)
 
 
@@ -267,14 +277,22 @@ def report(args, gathered: list[dict], device: str, world: int, seconds: float) 
 
 
 def main(argv=None) -> int:
+    global ORACLE_SIZES, FUSION_BYTES
     args = parse_args(argv)
+    if args.interpret:   # before horovod_aq reads it
+        os.environ.update(HOROVOD_AQ_KERNELS="triton", TRITON_INTERPRET="1")
+        args.dry_run, args.timing_steps = True, min(args.timing_steps, 2)
+        ORACLE_SIZES, FUSION_BYTES = INTERPRETED_SIZES, INTERPRETED_FUSION_BYTES
     import horovod.torch as hvd
     import torch
 
     started = time.perf_counter()
     hvd.init()
     torch.set_num_threads(1)
-    if args.dry_run:
+    if args.interpret:
+        device, sizes = torch.device("cpu"), INTERPRETED_SIZES
+        name = "CPU (dry run; Triton's kernels in its interpreter)"
+    elif args.dry_run:
         device, sizes, name = torch.device("cpu"), (64, 256, 256, 10), "CPU (dry run)"
     else:
         if not torch.cuda.is_available():

@@ -1,6 +1,7 @@
 """The GPU build's pieces that run without a GPU (docs/gpu.md §2-§3): the CUDA toolkit folder
 ``scripts/cuda_toolkit.py`` assembles from PyPI's packages, ``scripts/gpu_wheel.sh``'s argument
-checks, and ``benchmarks/gpu_check_horovod.py``'s dry run under ``horovodrun`` (CPU tensors)."""
+checks, and the dry runs of ``benchmarks/gpu_check_horovod.py`` under ``horovodrun`` (CPU
+tensors) and of both GPU checks on the GPU's code path in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -99,6 +100,37 @@ def test_gpu_check_horovod_dry_run_passes(tmp_path):
     assert text.count("| PASS |") == 6 and "FAIL" not in text
     assert "payloads vs codec.encode," in text and "payloads vs codec.encode_entropy" in text
     assert "packed ALQ 3-bit, entropy-coded wire" in text
+
+
+@pytest.mark.slow     # two Horovod ranks in Triton's interpreter, six tiny trainings
+def test_gpu_check_horovod_on_the_gpus_code_path_passes(tmp_path):
+    # --interpret: the packed optimizer's GPU path (Triton's kernels, the settling wire, the
+    # entropy coder's reads) in Triton's interpreter under horovodrun, bit-exact
+    out = tmp_path / "gpu_horovod.md"
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [str(horovodrun), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
+         str(ROOT / "benchmarks" / "gpu_check_horovod.py"), "--interpret", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    text = out.read_text()
+    assert "Triton's kernels in its interpreter" in text
+    assert text.count("| PASS |") == 6 and "FAIL" not in text
+
+
+@pytest.mark.slow     # two DDP ranks in Triton's interpreter, four tiny trainings
+def test_gpu_check_ddp_on_the_gpus_code_path_passes(tmp_path):
+    out = tmp_path / "gpu_ddp.md"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check_ddp.py"), "--interpret",
+         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    text = out.read_text()
+    assert "Triton's kernels in its interpreter" in text
+    assert text.count("| PASS |") == 5 and "FAIL" not in text
 
 
 def test_step_costs_count_what_the_sync_debug_mode_reports():

@@ -89,6 +89,31 @@ def same_error(call_a, call_b, kind=ValueError) -> str:
 # ------------------------------------------------------------------------------------ encode
 
 
+@pytest.mark.skipif(not INTERPRET, reason="Triton's interpreter only")
+def test_interpreted_launches_from_two_threads_are_the_oracles(monkeypatch):
+    # the interpreter patches triton.language for the length of a launch: DDP's hook and its
+    # collectives' callbacks launch from two threads, so interpreted launches go one at a time
+    # (triton_kernels.launched), and HOROVOD_AQ_KERNELS=triton sends CPU tensors through them
+    import threading
+
+    monkeypatch.setattr(torch_kernels, "IMPLEMENTATION", "triton")
+    assert torch_kernels.implementation_for(torch.device("cpu")) == "triton"
+    table, B = table_for(3), 64
+    xs = [sample(4000 + 17 * t, B, seed=t) for t in range(2)]
+    want = [oracle(x, table, B, "l2", StreamKey(1, t, 0, 0, 0)) for t, x in enumerate(xs)]
+    got: dict[int, list[bytes]] = {0: [], 1: []}
+
+    def run(t: int) -> None:
+        for _ in range(4):
+            got[t].append(as_bytes(encode(xs[t], table, B, "l2", StreamKey(1, t, 0, 0, 0))))
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(g == [want[t].tobytes()] * 4 for t, g in got.items())
+
+
 @pytest.mark.parametrize("bucket_size", BUCKETS)
 @pytest.mark.parametrize("norm", ["l2", "linf"])
 @pytest.mark.parametrize("bits", range(1, 9))

@@ -135,10 +135,12 @@ def bucket_norms(x: Any, bucket_size: int, norm: str = "l2") -> tf.Tensor:
 
 #: "auto": on a machine without a GPU, keyed encodes and decode_average run the compiled CPU
 #: kernel of ``horovod_aq.codec.fused`` (through ``tf.numpy_function``, eager and traced);
-#: "ops": always the TensorFlow ops below. Set by ``HOROVOD_AQ_KERNELS``.
-IMPLEMENTATION = os.environ.get("HOROVOD_AQ_KERNELS", "auto")
+#: "ops": always the TensorFlow ops below; "triton" (PyTorch's Triton kernels on CPU tensors)
+#: is "auto" here. Set by ``HOROVOD_AQ_KERNELS``.
+IMPLEMENTATION = os.environ.get("HOROVOD_AQ_KERNELS", "auto").replace("triton", "auto")
 if IMPLEMENTATION not in ("auto", "ops"):
-    raise ValueError(f"HOROVOD_AQ_KERNELS must be 'auto' or 'ops', got {IMPLEMENTATION!r}")
+    raise ValueError(f"HOROVOD_AQ_KERNELS must be 'auto', 'ops' or 'triton', got "
+                     f"{IMPLEMENTATION!r}")
 
 
 def use_fused() -> bool:

@@ -256,8 +256,10 @@ def unpack_bits(stream: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- implementations
 #: Which implementation runs a keyed encode and every decode: "auto" (the compiled CPU kernel of
 #: ``horovod_aq.codec.fused`` for CPU tensors, Triton for CUDA tensors when it is installed,
-#: these torch ops otherwise) or "ops" (always these ops). Set by ``HOROVOD_AQ_KERNELS``.
-IMPLEMENTATIONS = ("auto", "ops")
+#: these torch ops otherwise), "ops" (always these ops) or "triton" (Triton's kernels for CPU
+#: tensors too, in Triton's interpreter, ``TRITON_INTERPRET=1``: the GPU's code path, slowly,
+#: on a machine without one — the GPU checks' dry runs). Set by ``HOROVOD_AQ_KERNELS``.
+IMPLEMENTATIONS = ("auto", "ops", "triton")
 IMPLEMENTATION = os.environ.get("HOROVOD_AQ_KERNELS", "auto")
 if IMPLEMENTATION not in IMPLEMENTATIONS:
     raise ValueError(f"HOROVOD_AQ_KERNELS must be one of {IMPLEMENTATIONS}, got "
@@ -269,6 +271,11 @@ def implementation_for(device: torch.device) -> str:
     ``device``."""
     if IMPLEMENTATION == "ops":
         return "torch"
+    if IMPLEMENTATION == "triton" and device.type == "cpu":
+        if not (triton_kernels.available() and triton_kernels.interpreting()):
+            raise RuntimeError("HOROVOD_AQ_KERNELS=triton runs CPU tensors in Triton's "
+                               "interpreter: install triton and set TRITON_INTERPRET=1")
+        return "triton"
     if device.type == "cpu":
         return "fused"
     if device.type == "cuda":

@@ -20,7 +20,8 @@ size; the tables go back in one copy that does not wait for the device
     words, states, counts = encode_symbols(symbols, f, c)      # symbols: uint8 CUDA tensor
     symbols = decode_symbols(states, counts, words, f, c, nsym)  # None if the stream is bad
 
-Imports only ``horovod_aq.codec``, the leaf ``horovod_aq.torch.payload``, torch and triton;
+Imports only ``horovod_aq.codec``, ``horovod_aq.torch.payload`` and
+``triton_kernels`` (for ``launched``), torch and triton;
 tested under ``TRITON_INTERPRET=1`` (``tests/test_triton_entropy.py``).
 """
 
@@ -40,6 +41,7 @@ from horovod_aq.codec.entropy_format import (
 )
 from horovod_aq.codec.rans import slot_symbols
 from horovod_aq.torch.payload import host_to_device
+from horovod_aq.torch.triton_kernels import launched
 
 __all__ = ["compact", "decode_symbols", "decode_symbols_flagged", "encode_blocks",
            "encode_symbols", "histogram", "model_array"]
@@ -145,8 +147,8 @@ def histogram(codes: torch.Tensor, num_bins: int) -> torch.Tensor:
     bins = triton.next_power_of_2(max(num_bins, 2))
     counts = torch.zeros(bins, dtype=torch.int32, device=codes.device)
     if n:
-        _histogram_kernel[(-(-n // HISTOGRAM_BLOCK),)](codes, counts, n, BINS=bins,
-                                                       BLOCK=HISTOGRAM_BLOCK)
+        launched(_histogram_kernel)[(-(-n // HISTOGRAM_BLOCK),)](
+            codes, counts, n, BINS=bins, BLOCK=HISTOGRAM_BLOCK)
     return counts[:num_bins].to(torch.int64)
 
 
@@ -171,8 +173,9 @@ def encode_blocks(symbols: torch.Tensor, f: np.ndarray, c: np.ndarray
     scratch = torch.zeros((nblk, BLOCK_SYMBOLS + 1), dtype=torch.uint16, device=device)
     states = torch.empty((nblk, LANES), dtype=torch.uint32, device=device)
     counts = torch.empty(nblk, dtype=torch.int64, device=device)
-    _encode_kernel[(nblk,)](symbols, ft, ct, cmpl, scratch, states, counts, nsym,
-                            LANES_C=LANES, STEPS_C=STEPS, PREC=PRECISION, LOW=STATE_LOW)
+    launched(_encode_kernel)[(nblk,)](symbols, ft, ct, cmpl, scratch, states, counts, nsym,
+                                      LANES_C=LANES, STEPS_C=STEPS, PREC=PRECISION,
+                                      LOW=STATE_LOW)
     return scratch, states, counts
 
 
@@ -224,8 +227,8 @@ def decode_symbols_flagged(states: torch.Tensor, counts: torch.Tensor, words: to
     out = torch.empty(nsym, dtype=torch.uint8, device=device)
     status = torch.zeros(nblk, dtype=torch.int32, device=device)
     padded = torch.cat([words.reshape(-1), words.new_zeros(1)])  # index nwords: always valid
-    _decode_kernel[(nblk,)](states.to(device=device, dtype=torch.int64).contiguous(), counts,
-                            starts, padded, words.numel(), slots, f, c, out,
-                            status, nsym, LANES_C=LANES, STEPS_C=STEPS, PREC=PRECISION,
-                            LOW=STATE_LOW)
+    launched(_decode_kernel)[(nblk,)](
+        states.to(device=device, dtype=torch.int64).contiguous(), counts, starts, padded,
+        words.numel(), slots, f, c, out, status, nsym, LANES_C=LANES, STEPS_C=STEPS,
+        PREC=PRECISION, LOW=STATE_LOW)
     return out, ~status.any()

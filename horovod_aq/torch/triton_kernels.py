@@ -96,6 +96,32 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+class _OneAtATime:
+    """A jitted kernel launched under one process-wide lock (``kernel[grid](...)`` as usual)."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            with _INTERPRETER_LOCK:
+                return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+_INTERPRETER_LOCK = threading.RLock()
+
+
+def launched(kernel: Any) -> Any:
+    """``kernel`` (jitted) as this package launches it: itself, or in Triton's interpreter one
+    launch at a time in the process — the interpreter patches ``triton.language`` for the
+    length of a launch, and the DDP hook and its collectives' callbacks launch from two
+    threads (``HOROVOD_AQ_KERNELS=triton`` on CPU tensors)."""
+    return _OneAtATime(kernel) if interpreting() else kernel
+
+
 # ---------------------------------------------------------------------------- device helpers
 # Plain functions here; _kernels() replaces each by triton.jit(fn) at the first call (so the
 # interpreter setting is read then, and this module imports without triton).
@@ -359,6 +385,8 @@ def _kernels() -> dict[str, Any]:
         for name in _KERNELS:
             g[name] = triton.jit(g[name], do_not_specialize=_NO_SPECIALIZE[name])
         _STATE["interpret"] = bool(knobs.runtime.interpret)
+        for name in _KERNELS:
+            g[name] = launched(g[name])
         _STATE["kernels"] = {name: g[name] for name in _KERNELS}
     return _STATE["kernels"]
 

@@ -211,9 +211,9 @@ def _kernels() -> dict[str, Any]:
                 g[name] = getattr(tk, name)
             g["_pairwise_rows"] = triton.jit(_pairwise_rows)
             _STATE["kernels"] = {
-                "send": triton.jit(_send_kernel, do_not_specialize=_NO_SPECIALIZE),
-                "markers": triton.jit(_marker_kernel,
-                                      do_not_specialize=["size", "stride", "total", "offset"])}
+                "send": tk.launched(triton.jit(_send_kernel, do_not_specialize=_NO_SPECIALIZE)),
+                "markers": tk.launched(triton.jit(
+                    _marker_kernel, do_not_specialize=["size", "stride", "total", "offset"]))}
     return _STATE["kernels"]
 
 
