@@ -85,18 +85,24 @@ def test_gpu_wheel_script_says_what_it_needs():
     assert run.returncode == 1 and "no Python 2.1 here" in run.stderr
 
 
-@pytest.mark.slow     # two Horovod ranks and six small trainings: the slow matrix
-def test_gpu_check_horovod_dry_run_passes(tmp_path):
-    out = tmp_path / "gpu_horovod.md"
-    horovodrun = Path(sys.executable).parent / "horovodrun"
+def _gpu_check(tmp_path: Path, script: str, *flags: str, ranks: int = 0) -> str:
+    """The report of ``benchmarks/<script>`` run with ``flags`` (under ``horovodrun`` with
+    ``ranks`` Gloo ranks, else alone), which must exit 0."""
+    out = tmp_path / "report.md"
+    launch = [str(Path(sys.executable).parent / "horovodrun"), "--gloo", "-np", str(ranks),
+              "-H", f"localhost:{ranks}"] if ranks else []
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
-        [str(horovodrun), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
-         str(ROOT / "benchmarks" / "gpu_check_horovod.py"), "--dry-run", "--timing-steps", "2",
-         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-        check=False)
+        [*launch, sys.executable, str(ROOT / "benchmarks" / script), *flags, "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    text = out.read_text()
+    return out.read_text()
+
+
+@pytest.mark.slow     # two Horovod ranks and six small trainings: the slow matrix
+def test_gpu_check_horovod_dry_run_passes(tmp_path):
+    text = _gpu_check(tmp_path, "gpu_check_horovod.py", "--dry-run", "--timing-steps", "2",
+                      ranks=2)
     assert text.count("| PASS |") == 6 and "FAIL" not in text
     assert "payloads vs codec.encode," in text and "payloads vs codec.encode_entropy" in text
     assert "packed ALQ 3-bit, entropy-coded wire" in text
@@ -106,29 +112,14 @@ def test_gpu_check_horovod_dry_run_passes(tmp_path):
 def test_gpu_check_horovod_on_the_gpus_code_path_passes(tmp_path):
     # --interpret: the packed optimizer's GPU path (Triton's kernels, the settling wire, the
     # entropy coder's reads) in Triton's interpreter under horovodrun, bit-exact
-    out = tmp_path / "gpu_horovod.md"
-    horovodrun = Path(sys.executable).parent / "horovodrun"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [str(horovodrun), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
-         str(ROOT / "benchmarks" / "gpu_check_horovod.py"), "--interpret", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    text = out.read_text()
+    text = _gpu_check(tmp_path, "gpu_check_horovod.py", "--interpret", ranks=2)
     assert "Triton's kernels in its interpreter" in text
     assert text.count("| PASS |") == 6 and "FAIL" not in text
 
 
-@pytest.mark.slow     # two DDP ranks in Triton's interpreter, four tiny trainings
+@pytest.mark.slow     # two DDP ranks in Triton's interpreter, five tiny trainings
 def test_gpu_check_ddp_on_the_gpus_code_path_passes(tmp_path):
-    out = tmp_path / "gpu_ddp.md"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check_ddp.py"), "--interpret",
-         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-        check=False)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    text = out.read_text()
+    text = _gpu_check(tmp_path, "gpu_check_ddp.py", "--interpret")
     assert "Triton's kernels in its interpreter" in text
     assert text.count("| PASS |") == 5 and "FAIL" not in text
 
