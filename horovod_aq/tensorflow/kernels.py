@@ -137,10 +137,11 @@ def bucket_norms(x: Any, bucket_size: int, norm: str = "l2") -> tf.Tensor:
 #: kernel of ``horovod_aq.codec.fused`` (through ``tf.numpy_function``, eager and traced);
 #: "ops": always the TensorFlow ops below; "triton" (PyTorch's Triton kernels on CPU tensors)
 #: is "auto" here. Set by ``HOROVOD_AQ_KERNELS``.
-IMPLEMENTATION = os.environ.get("HOROVOD_AQ_KERNELS", "auto").replace("triton", "auto")
-if IMPLEMENTATION not in ("auto", "ops"):
+IMPLEMENTATION = os.environ.get("HOROVOD_AQ_KERNELS", "auto")
+if IMPLEMENTATION not in ("auto", "ops", "triton"):
     raise ValueError(f"HOROVOD_AQ_KERNELS must be 'auto', 'ops' or 'triton', got "
                      f"{IMPLEMENTATION!r}")
+IMPLEMENTATION = "auto" if IMPLEMENTATION == "triton" else IMPLEMENTATION
 
 
 def use_fused() -> bool:

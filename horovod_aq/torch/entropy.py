@@ -161,16 +161,16 @@ def entropy_of_parts(fixed: Sequence[torch.Tensor], table: LevelTable, numels: S
         models[k] = t, *symbol_model(t, bits)
         blocks[k] = triton_entropy.encode_blocks(_symbols(codes[k], numels[k], bits),
                                                  *models[k][1:])
-    totals = (torch.stack([blocks[k][2].sum() for k in coded]).cpu().numpy()    # the read
-              if coded else [])
+    totals = dict(zip(coded, torch.stack([blocks[k][2].sum() for k in coded]).cpu().numpy()
+                      .tolist() if coded else []))                               # the read
     payloads = []
     for k, n in enumerate(numels):
         payload = fixed[k]
         if n:
             scratch, states, counts = blocks[k]
-            size = entropy_payload_size(n, bits, bucket_size, N, int(totals[coded.index(k)]))
+            size = entropy_payload_size(n, bits, bucket_size, N, totals[k])
             if size < payload.numel():
-                words = triton_entropy.compact(scratch, counts, int(totals[coded.index(k)]))
+                words = triton_entropy.compact(scratch, counts, totals[k])
                 payload = _assemble(payload, models[k][0], n, bucket_size, bits, size,
                                     words, states, counts)
         payloads.append(seal_checksum(payload) if checksum else payload)

@@ -382,11 +382,9 @@ def _kernels() -> dict[str, Any]:
         g["tl"] = triton.language
         for name in _HELPERS:
             g[name] = triton.jit(g[name])
+        _STATE["interpret"] = bool(knobs.runtime.interpret)   # read by launched
         for name in _KERNELS:
-            g[name] = triton.jit(g[name], do_not_specialize=_NO_SPECIALIZE[name])
-        _STATE["interpret"] = bool(knobs.runtime.interpret)
-        for name in _KERNELS:
-            g[name] = launched(g[name])
+            g[name] = launched(triton.jit(g[name], do_not_specialize=_NO_SPECIALIZE[name]))
         _STATE["kernels"] = {name: g[name] for name in _KERNELS}
     return _STATE["kernels"]
 
