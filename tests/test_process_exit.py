@@ -8,10 +8,10 @@ import sys
 import textwrap
 
 SCRIPT = textwrap.dedent("""
-    import atexit, os, sys, tempfile
+    import atexit, os, sys
     import torch, torch.distributed as dist
     from horovod_aq.torch.process_exit import destroy_and_exit
-    store = os.path.join(tempfile.mkdtemp(), "store")
+    store = {store!r}
     dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
     t = torch.ones(3)
     dist.all_reduce(t)
@@ -25,14 +25,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(code: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT.format(code=code)], capture_output=True,
-                          text=True, timeout=120, check=False)
+def _run(code: int, store: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT.format(code=code, store=store)],
+                          capture_output=True, text=True, timeout=120, check=False)
 
 
-def test_exit_status_flush_and_nothing_after():
+def test_exit_status_flush_and_nothing_after(tmp_path):
     for code in (0, 3):
-        proc = _run(code)
+        proc = _run(code, str(tmp_path / f"store{code}"))
         assert proc.returncode == code, proc.stderr[-2000:]
         assert proc.stdout == "sum 3.0 initialized True", proc.stdout
         assert proc.stderr.endswith("to stderrdestroyed; "), proc.stderr[-2000:]

@@ -303,9 +303,9 @@ def example_tensorflow_mnist_stock():
         "tensorflow_mnist", os.path.join(ROOT, "examples", "tensorflow_mnist.py"))
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    out = tempfile.mkdtemp(prefix="aq_tf_stock_")
-    return example.main(["--compression", "qsgdinf", "--bits", "4", "--exchange", "stock",
-                         "--epochs", "1", "--out", out, "--no-progress"])
+    with tempfile.TemporaryDirectory(prefix="aq_tf_stock_") as out:
+        return example.main(["--compression", "qsgdinf", "--bits", "4", "--exchange", "stock",
+                             "--epochs", "1", "--out", out, "--no-progress"])
 
 
 def horovod_style_script():
@@ -324,18 +324,19 @@ def horovod_style_script():
     assert DOWNLOAD_LINE in HOROVOD_STYLE
     script = HOROVOD_STYLE.replace(DOWNLOAD_LINE, "(images, labels), _ = _local")
     here = os.getcwd()
-    workdir = tempfile.mkdtemp(prefix=f"aq_hvd_style_{hvd.rank()}_")
-    os.chdir(workdir)
-    try:
-        exec(compile(script, "<horovod-style script>", "exec"), namespace)
-    finally:
-        os.chdir(here)
+    with tempfile.TemporaryDirectory(prefix=f"aq_hvd_style_{hvd.rank()}_") as workdir:
+        os.chdir(workdir)
+        try:
+            exec(compile(script, "<horovod-style script>", "exec"), namespace)
+        finally:
+            os.chdir(here)
+        checkpoints = sorted(os.listdir(workdir))
     model = namespace["model"]
     xt = test.images[..., None]
     acc = float(np.mean(np.argmax(model(xt, training=False).numpy(), 1) == test.labels))
     hist = namespace["history"].history
     return {"weights": _weights(model), "acc": acc, "lr": hist["lr"], "loss": hist["loss"],
-            "checkpoints": sorted(os.listdir(workdir)),
+            "checkpoints": checkpoints,
             "steps": namespace["opt"].compression.step}
 
 

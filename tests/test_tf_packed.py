@@ -892,11 +892,12 @@ def optimizer_copies():
     clone.fit(xs, ys, batch_size=8, epochs=1, verbose=0, shuffle=False)
     out["clone"] = _weights_of(clone)
     # save a compiled model; load it plainly and as a distributed model, continue training
-    path = os.path.join(tempfile.mkdtemp(prefix=f"aq_rank{hvd.rank()}_"), "model.keras")
-    model.save(path)
-    plain = keras.models.load_model(path)
-    comp2 = horovod_aq.NoCompression()
-    loaded = aqk.load_model(path, comp2)
+    with tempfile.TemporaryDirectory(prefix=f"aq_rank{hvd.rank()}_") as folder:
+        path = os.path.join(folder, "model.keras")
+        model.save(path)
+        plain = keras.models.load_model(path)
+        comp2 = horovod_aq.NoCompression()
+        loaded = aqk.load_model(path, comp2)
     loaded.fit(xs, ys, batch_size=8, epochs=1, verbose=0, shuffle=False)
     out["plain"] = {"class": type(plain.optimizer).__name__,
                     "distributed": hasattr(plain.optimizer, "exchange"),

@@ -755,7 +755,9 @@ class Wire:
             return
         payload = self._reencode(bucket, chunk, held=held, plain=got[1] if late else None)
         if payload is None:   # the rows were not plain after all: decided as at once
+            started = time.perf_counter()
             chunk = self._checked_chunk(bucket, rows, collective, m)
+            self.seconds["decode"] += time.perf_counter() - started
             if chunk is None:
                 return
             payload = self._reencode(bucket, chunk)
