@@ -1,11 +1,12 @@
 """Graph assertions of the TensorFlow kernels (``horovod_aq.tensorflow.kernels``).
 
 Inside ``tf.function`` invalid input cannot raise the numpy codec's ``ValueError`` /
-``PayloadError`` on the host; these ``tf.debugging`` assertions fail instead
-(``tf.errors.InvalidArgumentError``), with messages that name the field, the rank and both
-values. Header fields are located by ``horovod_aq.codec.format.HEADER_FIELDS``.
-:func:`translate_error` turns a failed assertion of the packed exchange back into the eager
-API's exception.
+``PayloadError`` on the host; these checks fail instead (``tf.errors.InvalidArgumentError``),
+with messages that name the field, the rank and both values. Header fields are located by
+``horovod_aq.codec.format.HEADER_FIELDS``; the decoder's header check tests every byte in one
+graph test and names what differs on the host (one ``tf.cond``, not one assertion per field).
+:func:`translate_error` turns a failed check of the packed exchange back into the eager API's
+exception.
 
 The data of a payload (the CRC-32 of a checksummed row, the norms, the codes) is checked by
 :func:`checksum_check` and :func:`data_check`: the cheap test runs in the graph, and only a
@@ -108,48 +109,77 @@ def encoder_header_check(header_u8: tf.Tensor, levels: tf.Tensor, n: int, bits: 
     return checks
 
 
+def _advice(name: str) -> str:
+    """What a differing header field usually means."""
+    if name == "magic":
+        return "not a horovod_aq payload (wrong buffer or corrupted data)"
+    if name == "format version":
+        return "ranks run different horovod_aq versions"
+    if name.startswith("level-table"):
+        return "ranks disagree on the level table"
+    return "ranks disagree on the tensor or the compressor settings"
+
+
+def _header_keep(entropy: bool) -> np.ndarray:
+    """[32] uint8: the header bits a row must share with the expected header. A checksummed
+    row (``FLAG_CHECKSUM``) and, on the entropy-coded wire, an entropy-coded one
+    (``FLAG_ENTROPY``) differ from it in those flags."""
+    keep = np.full(HEADER_SIZE, 0xFF, np.uint8)
+    keep[FLAGS_OFFSET] ^= FLAG_CHECKSUM | (FLAG_ENTROPY if entropy else 0)
+    return keep
+
+
+def _shown(name: str, raw: np.ndarray) -> str:
+    """A header field's value as the messages show it (little-endian; the magic as bytes)."""
+    raw = bytes(np.asarray(raw, np.uint8))
+    return repr(raw) if name == "magic" else str(int.from_bytes(raw, "little"))
+
+
+def _header_refusal(headers: np.ndarray, expected: np.ndarray, entropy: bool) -> np.ndarray:
+    """The ``PayloadError`` of the first field, in header order, where a row of ``headers``
+    [P, 32] differs from ``expected``: it names the first rank that differs and both values."""
+    keep = _header_keep(entropy)
+    got, want = headers & keep, expected & keep
+    checksummed = (headers[:, FLAGS_OFFSET] & FLAG_CHECKSUM) > 0
+    for name, field in codec.HEADER_FIELDS.items():
+        same = (got[:, field] == want[field]).all(axis=1)
+        if name == "reserved":   # a checksummed row's CRC-32 (the data check verifies it)
+            same |= checksummed
+        if not same.all():
+            rank = int(np.argmin(same))
+            raise PayloadError(f"payload {name} differs: the payload of rank {rank} has "
+                               f"{_shown(name, got[rank, field])} but this rank expects "
+                               f"{_shown(name, want[field])}; {_advice(name)}")
+    raise PayloadError("horovod_aq.tensorflow: the graph check refused a header that the host "
+                       "accepts (please report this bug)")
+
+
 def decoder_header_check(headers: tf.Tensor, expected_u8: tf.Tensor, *,
                          entropy: bool = False) -> list:
-    """Assert that every row of ``headers`` [P, 32] equals the expected header; the message
-    names the first differing field, the first rank that differs and both values.
-    ``entropy``: rows of the entropy-coded wire, which may also carry ``FLAG_ENTROPY``."""
+    """Check that every row of ``headers`` [P, 32] equals the expected header: one graph test
+    of every byte at once; a differing header goes to the host, where ``PayloadError`` names
+    the first differing field, the first rank that differs and both values (TensorFlow wraps
+    it in ``InvalidArgumentError``: :func:`translate_error`). ``entropy``: rows of the
+    entropy-coded wire, which may also carry ``FLAG_ENTROPY``."""
     if expected_u8.shape.rank != 1 or expected_u8.shape[0] not in (None, HEADER_SIZE):
         raise ValueError(f"expected_header_u8 must be {HEADER_SIZE} uint8 bytes, got shape "
                          f"{expected_u8.shape}")
-    checks: list = []
-    # a checksummed row (FLAG_CHECKSUM) differs from the expected header only in that flag and
-    # in its CRC field, which the data check verifies
+    keep = tf.constant(_header_keep(entropy))
+    differ = tf.not_equal(tf.bitwise.bitwise_and(headers, keep),
+                          tf.bitwise.bitwise_and(expected_u8, keep)[None])
+    reserved = np.zeros(HEADER_SIZE, bool)
+    reserved[codec.HEADER_FIELDS["reserved"]] = True
     checksummed = tf.bitwise.bitwise_and(headers[:, FLAGS_OFFSET], FLAG_CHECKSUM) > 0
-    for name, field in codec.HEADER_FIELDS.items():
-        lo, hi = field.start, field.stop
-        got, want = headers[:, lo:hi], expected_u8[None, lo:hi]
-        if name == "flags":
-            ignored = FLAG_CHECKSUM | (FLAG_ENTROPY if entropy else 0)
-            keep = tf.constant(0xFF ^ ignored, tf.uint8)
-            got, want = tf.bitwise.bitwise_and(got, keep), tf.bitwise.bitwise_and(want, keep)
-        same = tf.reduce_all(tf.equal(got, want), axis=1)
-        if name == "reserved":
-            same = same | checksummed
-        rank = tf.argmin(tf.cast(same, tf.int32))
-        if name == "magic":
-            advice = "not a horovod_aq payload (wrong buffer or corrupted data)"
-        elif name == "format version":
-            advice = "ranks run different horovod_aq versions"
-        elif name.startswith("level-table"):
-            advice = "ranks disagree on the level table"
-        else:
-            advice = "ranks disagree on the tensor or the compressor settings"
-        if name == "magic":
-            shown, expected = tf.reshape(got[rank], [hi - lo]), want[0]
-        else:
-            shown, expected = field_value(got[rank], hi - lo), field_value(want[0], hi - lo)
-        with tf.control_dependencies(checks[-1:]):  # report the first differing field
-            checks.append(tf.debugging.Assert(
-                tf.reduce_all(same),
-                [f"payload {name} differs: the payload of rank", rank, "has", shown,
-                 "but this rank expects", expected, f"; {advice}"],
-                summarize=HEADER_SIZE))
-    return checks
+    differ = differ & ~(checksummed[:, None] & tf.constant(reserved)[None])
+    ok = tf.logical_not(tf.reduce_any(differ))
+
+    def refuse():
+        out = tf.numpy_function(lambda h, e: _header_refusal(h, e, entropy),
+                                [headers, expected_u8], tf.bool, stateful=False,
+                                name="aq_refuse_header")
+        return tf.reshape(out, [])
+
+    return [tf.cond(ok, lambda: tf.constant(True), refuse)]
 
 
 def _host_checksums(rows: np.ndarray, average: bool) -> np.ndarray:
