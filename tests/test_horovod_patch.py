@@ -42,4 +42,3 @@ def test_horovodrun_checks_its_build_without_importing_tensorflow(tmp_path):
     assert not refused.exists(), (
         f"Horovod's build check imported {refused.read_text().split()}: the installed Horovod "
         "lacks the patch's EXTENSIONS order; run make setup")
-
