@@ -26,9 +26,15 @@ class TensorFlowBackend:
     def sum_of_squares(self, x: Any) -> float:
         return float(tf.reduce_sum(tf.square(tf.cast(x, tf.float64))))
 
+    # Horovod calls the stock hooks inside its own tf.function, whose AutoGraph would otherwise
+    # convert this package's quantizer, kernels, checks and logging at every first trace (0.3 s
+    # of a rank's CPU per hook call on the test model); they have no Python control flow on
+    # tensors, so they run as written (as the packed exchange's ``PackedExchange.reduce`` does).
+    @tf.autograph.experimental.do_not_convert
     def compress(self, compressor: Any, tensor: Any) -> tuple[Any, Any]:
         return stock.compress(compressor, tensor)
 
+    @tf.autograph.experimental.do_not_convert
     def decompress(self, compressor: Any, tensor: Any, ctx: Any) -> Any:
         return stock.decompress(compressor, tensor, ctx)
 
