@@ -52,6 +52,30 @@ def test_stock_compress_is_codec_quantize_and_sees_new_tables_without_retrace():
     assert fn.experimental_get_tracing_count() == 1
 
 
+def test_autograph_stops_at_the_stock_hooks(caplog):
+    """Horovod calls ``compression=`` inside a ``tf.function`` with AutoGraph on. AutoGraph must
+    call the TF backend's hooks as written (``do_not_convert``): converting the quantizer behind
+    them took seconds at every first trace (tensorflow/backend.py). AutoGraph logs each call it
+    converts at verbosity 1 (``tf.autograph.set_verbosity``)."""
+    comp = horovod_aq.ALQ(bits=3, bucket_size=BUCKET, seed=5)
+
+    @tf.function   # AutoGraph on, as in Horovod's allreduce_grads
+    def hook(t):
+        wire, ctx = comp.compress(t)
+        return comp.decompress(wire, ctx)
+
+    tf.autograph.set_verbosity(1)
+    try:
+        with caplog.at_level("INFO", logger="tensorflow"):
+            hook(tf.constant(_gradient()))
+    finally:
+        tf.autograph.set_verbosity(0)
+    converted = [r.getMessage().split("\n")[0] for r in caplog.records
+                 if r.getMessage().startswith("Converted call:")]
+    assert any("TensorFlowBackend.compress" in c for c in converted), converted   # reached
+    assert not any("quantize_local" in c or "encode_with" in c for c in converted), converted
+
+
 def test_stock_fp16_casts_and_guards_the_fp16_range():
     x = tf.constant(_gradient())
     wire, ctx = horovod_aq.FP16().compress(x)
