@@ -99,3 +99,20 @@ def test_core_trains_on_numpy_without_frameworks(method):
     result = run_blocked(body)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ok")
+
+
+def test_the_package_imports_scipy_optimize_only_where_amq_fits():
+    # `import horovod_aq` runs in every rank of every job: scipy.optimize (AMQ's bounded Brent)
+    # would add about a third to its time; it comes in at the first AMQ fit
+    body = """
+        import horovod_aq
+        import horovod_aq.levels
+        assert "scipy.optimize" not in sys.modules
+        from horovod_aq.levels import amq, distribution
+        p = amq.amq_multiplier(distribution.TruncatedNormalMixture([0.0], [0.1]), 3)
+        assert "scipy.optimize" in sys.modules and 0 < p < 1, p
+        print("ok", p)
+    """
+    result = run_blocked(body)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("ok")

@@ -32,7 +32,6 @@ import logging
 import math
 
 import numpy as np
-from scipy.optimize import minimize_scalar
 
 from horovod_aq.levels.families import check_bits, exponential
 from horovod_aq.levels.model import Distribution, check_distribution
@@ -127,6 +126,11 @@ def amq_multiplier(
     right = np.concatenate([v_grid[1:], [np.inf]])
     minima = np.nonzero((v_grid <= left) & (v_grid <= right))[0]
     minima = minima[np.lexsort((minima, v_grid[minima]))][:REFINE_MINIMA]
+
+    # scipy.optimize is imported here, not with the package: it would add about 0.25 s (a third)
+    # to `import horovod_aq` in every rank of the jobs that never fit AMQ
+    # (tests/test_import_isolation.py)
+    from scipy.optimize import minimize_scalar
 
     candidates = [float(grid[i]) for i in minima]
     for i in minima.tolist():
