@@ -638,7 +638,7 @@ def test_wire_setting_schedule_digest_decision_and_state():
 
 # ------------------------------------------------- error feedback fused into the CPU encoder
 def _ef_steps(monkeypatch, fused, mode, P, coding, grads_of_step, *, factory=None,
-              memory=None, defer=False):
+              memory=None, defer=False, numels=BIG):
     """Run ``len(grads_of_step)`` steps of P ranks with error feedback, through the fused pass
     (``torch.compensated``) or the unfused steps; per step, every rank's result, memory (a
     copy), recorded statistics and tapped (part, values, payload)."""
@@ -648,7 +648,7 @@ def _ef_steps(monkeypatch, fused, mode, P, coding, grads_of_step, *, factory=Non
                         lambda *a: calls.append(1) or _ENCODE_COMPENSATED(*a))
     factory = factory or (lambda: horovod_aq.ErrorFeedback(
         horovod_aq.ALQ(bits=3, bucket_size=B, seed=SEED), alpha=0.5103, beta=0.9))
-    _, ranks = _ranks(P, mode, factory, coding=coding, numels=BIG, masked=True, defer=defer)
+    _, ranks = _ranks(P, mode, factory, coding=coding, numels=numels, masked=True, defer=defer)
     steps = []
     for step, grads in enumerate(grads_of_step):
         net = Network(P)

@@ -31,6 +31,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 
 import horovod_aq  # noqa: E402
 from horovod_aq import codec  # noqa: E402
+from horovod_aq.codec import format  # noqa: E402
 from horovod_aq.codec.stream import StreamKey, stream_uniforms  # noqa: E402
 from horovod_aq.levels import (  # noqa: E402
     LevelTable,
@@ -302,6 +303,10 @@ def test_fusable_takes_the_triton_implementation(monkeypatch):
     assert not compensated.fusable(Wire, raw)
 
 
+#: wire_tests.BIG's layout, smaller: the Triton interpreter runs every program in Python.
+WIRE_NUMELS = (1200, 7, 793)
+
+
 @interpreter_only
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the NaN
 @pytest.mark.parametrize("mode, P, coding, defer", [("allgather", 2, "fixed", False),
@@ -326,22 +331,30 @@ def test_the_wire_with_the_triton_pass_is_bitwise_the_unfused_steps(monkeypatch,
     hold = wire_tests.wire_mod.Wire.hold_send
     monkeypatch.setattr(wire_tests.wire_mod.Wire, "hold_send",
                         lambda self, *a: held.append(a[0]) or hold(self, *a))
-    grads = [wire_tests._grads(P, seed=s, numels=wire_tests.BIG) for s in range(3)]
+    grads = [wire_tests._grads(P, seed=s, numels=WIRE_NUMELS) for s in range(3)]
+    if coding == "entropy":   # 3 coordinates in 4 zero: rows whose entropy-coded form is smaller
+        for g in (g for ranks in grads for g in ranks):
+            g[np.arange(g.size) % 4 != 0] = 0.0
     grads[1][0][100:300] = 0.0
     grads[1][1][5:9] = -0.0
-    grads[2][1][4001] = np.nan
+    grads[2][1][WIRE_NUMELS[0] + 1] = np.nan
 
     def factory():
         return horovod_aq.ErrorFeedback(horovod_aq.ALQ(
             bits=3, bucket_size=wire_tests.B, seed=wire_tests.SEED, nonfinite="skip"),
             alpha=0.5103, beta=0.9)
     fused = wire_tests._ef_steps(monkeypatch, True, mode, P, coding, grads, factory=factory,
-                                 defer=defer)
+                                 defer=defer, numels=WIRE_NUMELS)
     assert calls
+    coded = [format.parse_header(p.numpy()).flags & format.FLAG_ENTROPY
+             for step in fused for taps in step["tapped"].values() for _, _, p in taps]
+    # the allgather rows are entropy-coded; two-phase chunks of 1008 coordinates stay
+    # fixed-width, their entropy-coded form being no smaller (docs/protocol.md §5.4)
+    assert any(coded) == (coding == "entropy" and mode == "allgather"), coded
     holds = defer and coding == "fixed"   # an entropy-coded send is decided at once
     assert len(held) == (2 * P if holds else 0)
     unfused = wire_tests._ef_steps(monkeypatch, False, mode, P, coding, grads, factory=factory,
-                                   defer=defer)
+                                   defer=defer, numels=WIRE_NUMELS)
     if holds:   # the tap also saw the payload that rank 1's marker replaced at step 2 (its
         # re-encoded chunk, whose marker is put in place at the settle, both runs tap)
         kept = [e for e in fused[2]["tapped"][1] if e[0] == P and mode == "two_phase"]
