@@ -31,7 +31,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 
 import horovod_aq  # noqa: E402
 from horovod_aq import codec  # noqa: E402
-from horovod_aq.codec import format  # noqa: E402
+from horovod_aq.codec import format as fmt  # noqa: E402
 from horovod_aq.codec.stream import StreamKey, stream_uniforms  # noqa: E402
 from horovod_aq.levels import (  # noqa: E402
     LevelTable,
@@ -346,7 +346,7 @@ def test_the_wire_with_the_triton_pass_is_bitwise_the_unfused_steps(monkeypatch,
     fused = wire_tests._ef_steps(monkeypatch, True, mode, P, coding, grads, factory=factory,
                                  defer=defer, numels=WIRE_NUMELS)
     assert calls
-    coded = [format.parse_header(p.numpy()).flags & format.FLAG_ENTROPY
+    coded = [fmt.parse_header(p.numpy()).flags & fmt.FLAG_ENTROPY
              for step in fused for taps in step["tapped"].values() for _, _, p in taps]
     # the allgather rows are entropy-coded; two-phase chunks of 1008 coordinates stay
     # fixed-width, their entropy-coded form being no smaller (docs/protocol.md §5.4)
