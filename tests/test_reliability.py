@@ -216,8 +216,10 @@ def train_steps(first: int, last: int, checkpoint: str | None = None, save: str 
             "memory_norm": comp.memory_norm(), "warnings": warnings}
 
 
-def sleep_long():
-    init_torch()
+def sleep_long(ready: str):
+    """Say this rank is up (a file in ``ready``), then sleep in the check."""
+    _, hvd = init_torch()
+    open(os.path.join(ready, f"rank{hvd.rank()}"), "w").close()
     time.sleep(120)
     return "woke"
 
@@ -302,7 +304,7 @@ def test_misconfiguration_fails_everywhere_with_one_message(launch, check, words
 
 
 @pytest.mark.parametrize("controller", launches.params(["gloo", "mpi"], slow=["mpi"]))
-def test_an_interrupted_caller_leaves_no_rank_behind(controller):
+def test_an_interrupted_caller_leaves_no_rank_behind(controller, tmp_path):
     """A test runner's timeout signal (or Ctrl-C) arriving while run_local waits kills the
     launch's processes: ranks in their own session would otherwise spin on after the caller."""
     import signal
@@ -313,16 +315,20 @@ def test_an_interrupted_caller_leaves_no_rank_behind(controller):
         pass
 
     def interrupt(signum, frame):
-        raise Interrupted
+        # every 0.5 s until both ranks are asleep in the check: then once, as a signal would
+        if len(list(tmp_path.iterdir())) == 2:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            raise Interrupted
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     previous = signal.signal(signal.SIGALRM, interrupt)
-    signal.alarm(20)          # the ranks are up and asleep in the check by then
+    signal.setitimer(signal.ITIMER_REAL, 0.5, 0.5)
     try:
         with pytest.raises(Interrupted):
-            run_local([sleep_long], np=2, controller=controller, timeout=300)
+            run_local([(sleep_long, {"ready": str(tmp_path)})], np=2, controller=controller,
+                      timeout=300)
     finally:
-        signal.alarm(0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert not left, [(p.pid, p.name()) for p in left]
