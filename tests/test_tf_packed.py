@@ -1315,7 +1315,7 @@ MPI_CHECKS = [oracle_allgather_graph, oracle_two_phase_eager, refit_in_function,
 CHECKS = {"gloo": ALL_CHECKS, "mpi": MPI_CHECKS}
 #: fp32 and ALQ over TRAIN_SEEDS on both paths, for the bound on the mean test loss.
 SEED_CHECKS = {"gloo": [keras_fit_fp32, keras_fit_alq, custom_loop_fp32, custom_loop_alq]}
-#: Horovod's Keras/tape features on Keras 3, in their own launch (``-k features``); under MPI the
+#: Horovod's Keras/tape features on Keras 3 (tests ``-k features``), after CHECKS; under MPI the
 #: ones whose collectives run in a condition (the loss-scale decision, the aggregated exchange).
 #: The checks where one rank changes what trains alone come last: they end in an error on every
 #: rank (no collective is left waiting, but nothing after them should depend on it); the stalled
@@ -1328,20 +1328,17 @@ FEATURE_CHECKS = {"gloo": [mixed_precision_overflow, embedding_text_model, gradi
                           keras_one_rank_changes, joined_rank, stalled_exchange]}
 
 
-#: fixture -> controller -> the checks its launch runs (tests/launches.py)
-LAUNCHES = {"launch": CHECKS, "features": FEATURE_CHECKS, "seeds": SEED_CHECKS}
+#: fixture -> controller -> the checks its launch runs (tests/launches.py): the exchange's
+#: checks, then Horovod's features, whose last checks end Horovod's run, in one launch (each
+#: launch costs every rank ~10 s of TensorFlow's start)
+LAUNCHES = {"launch": {c: CHECKS[c] + FEATURE_CHECKS[c] for c in CHECKS}, "seeds": SEED_CHECKS}
 
 
 @pytest.fixture(scope="module", params=launches.params(CHECKS, slow=["mpi"]),
                 ids=lambda c: f"{c}-2")
 def launch(request):
-    return run_local(CHECKS[request.param], np=2, controller=request.param, timeout=900)
-
-
-@pytest.fixture(scope="module", params=launches.params(FEATURE_CHECKS, slow=["mpi"]),
-                ids=lambda c: f"{c}-2")
-def features(request):
-    return run_local(FEATURE_CHECKS[request.param], np=2, controller=request.param, timeout=600)
+    return run_local(LAUNCHES["launch"][request.param], np=2, controller=request.param,
+                     timeout=1500)
 
 
 @pytest.fixture(scope="module", params=launches.params(SEED_CHECKS, slow=["gloo"]),
@@ -1583,8 +1580,8 @@ def _same_weights(a, b):
         np.testing.assert_array_equal(x, y)
 
 
-def test_features_mixed_precision_overflow_is_skipped_on_every_rank(features):
-    results = _get(features, mixed_precision_overflow)
+def test_features_mixed_precision_overflow_is_skipped_on_every_rank(launch):
+    results = _get(launch, mixed_precision_overflow)
     for r in results:
         assert r["wrapper"] == "LossScaleOptimizer" and r["inner_is_ours"]
         assert r["skipped"] == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]   # rank 1's batch 3
@@ -1597,8 +1594,8 @@ def test_features_mixed_precision_overflow_is_skipped_on_every_rank(features):
 
 
 @pytest.mark.reads("embedding_text_model")
-def test_features_embedding_text_model_trains_on_every_path(features):
-    r0, r1 = _get(features, embedding_text_model)
+def test_features_embedding_text_model_trains_on_every_path(launch):
+    r0, r1 = _get(launch, embedding_text_model)
     assert set(r0) == {"fit", "fit_mixed_float16", "tape_function", "tape_eager"}
     for mode in r0:
         _same_weights(r0[mode]["weights"], r1[mode]["weights"])
@@ -1624,8 +1621,8 @@ def _expected_aggregation(calls, passes, average, ranks):
     return out
 
 
-def test_features_gradient_aggregation_has_horovods_semantics(features):
-    r0, r1 = _get(features, gradient_aggregation)
+def test_features_gradient_aggregation_has_horovods_semantics(launch):
+    r0, r1 = _get(launch, gradient_aggregation)
     for average in (True, False):
         want = _expected_aggregation(10, 4, average, 2)
         for path in ("keras", "tape"):
@@ -1638,8 +1635,8 @@ def test_features_gradient_aggregation_has_horovods_semantics(features):
 
 
 @pytest.mark.reads("optimizer_copies")
-def test_features_optimizer_copies_and_saved_models(features):
-    r0, r1 = _get(features, optimizer_copies)
+def test_features_optimizer_copies_and_saved_models(launch):
+    r0, r1 = _get(launch, optimizer_copies)
     # two SGD(0.1, momentum=0.9) steps with the average gradient 1.5 from 1.0
     m1 = -0.1 * 1.5
     expected = 1.0 + m1 + (0.9 * m1 - 0.1 * 1.5)
@@ -1655,8 +1652,8 @@ def test_features_optimizer_copies_and_saved_models(features):
 
 
 @pytest.mark.reads("local_sources")
-def test_features_local_sources_are_not_averaged(features):
-    r0, r1 = _get(features, local_sources)
+def test_features_local_sources_are_not_averaged(launch):
+    r0, r1 = _get(launch, local_sources)
     coef = [1.0, 2.0]
     for scale in (True, False):
         for r, c in zip((r0, r1), coef):
@@ -1691,8 +1688,8 @@ def test_features_local_sources_are_not_averaged(features):
 
 
 @pytest.mark.reads("lr_callbacks")
-def test_features_learning_rate_callbacks(features):
-    r0, r1 = _get(features, lr_callbacks)
+def test_features_learning_rate_callbacks(launch):
+    r0, r1 = _get(launch, lr_callbacks)
     assert r0["warmup"] == r1["warmup"] and r0["schedule"] == r1["schedule"]
     size, spe, warmup, lr = 2, 4, 2, 0.4
 
@@ -1842,8 +1839,8 @@ def test_keras_fit_on_the_entropy_wire(launch):
 
 
 @pytest.mark.reads("change_what_trains")
-def test_features_fine_tuning_trains_the_new_set_with_one_agreement_per_step(features):
-    r0, r1 = _get(features, change_what_trains)
+def test_features_fine_tuning_trains_the_new_set_with_one_agreement_per_step(launch):
+    r0, r1 = _get(launch, change_what_trains)
     for r in (r0, r1):
         frozen, fit = r["frozen"], r["fit"]
         _same_weights(frozen["weights"][:2], fit["before"][:2])      # the body stayed frozen
@@ -1880,14 +1877,14 @@ def _assert_agreement_error(results, types, counts):
 
 
 @pytest.mark.reads("tape_one_rank_changes")
-def test_features_one_rank_changing_the_tapes_sources_stops_every_rank(features):
-    _assert_agreement_error(_get(features, tape_one_rank_changes),
+def test_features_one_rank_changing_the_tapes_sources_stops_every_rank(launch):
+    _assert_agreement_error(_get(launch, tape_one_rank_changes),
                             ["ConfigMismatchError", "ConfigMismatchError"], [5, 3])
 
 
 @pytest.mark.reads("joined_rank")
-def test_features_a_joined_rank_stops_the_tf_exchange_at_once(features):
-    r0, r1 = _get(features, joined_rank)
+def test_features_a_joined_rank_stops_the_tf_exchange_at_once(launch):
+    r0, r1 = _get(launch, joined_rank)
     assert r1["error"] is None and r0["seconds"] < 60, (r0, r1)
     kind, message = r0["error"]
     assert kind == "JoinedRankError", r0["error"]
@@ -1896,8 +1893,8 @@ def test_features_a_joined_rank_stops_the_tf_exchange_at_once(features):
 
 
 @pytest.mark.reads("stalled_exchange")
-def test_features_a_stalled_exchange_ends_with_an_error_on_every_rank(features):
-    results = _get(features, stalled_exchange)
+def test_features_a_stalled_exchange_ends_with_an_error_on_every_rank(launch):
+    results = _get(launch, stalled_exchange)
     named = 0
     for rank, r in enumerate(results):
         assert r["type"] != "no error" and r["seconds"] < 60, r    # every rank ends, none hangs
@@ -1915,6 +1912,6 @@ def test_features_a_stalled_exchange_ends_with_an_error_on_every_rank(features):
 
 
 @pytest.mark.reads("keras_one_rank_changes")
-def test_features_one_rank_recompiling_stops_every_rank(features):
-    _assert_agreement_error(_get(features, keras_one_rank_changes),
+def test_features_one_rank_recompiling_stops_every_rank(launch):
+    _assert_agreement_error(_get(launch, keras_one_rank_changes),
                             ["ConfigMismatchError", "InvalidArgumentError"], [4, 2])
