@@ -1329,8 +1329,8 @@ FEATURE_CHECKS = {"gloo": [mixed_precision_overflow, embedding_text_model, gradi
 
 
 #: fixture -> controller -> the checks its launch runs (tests/launches.py): the exchange's
-#: checks, then Horovod's features, whose last checks end Horovod's run, in one launch (each
-#: launch costs every rank ~10 s of TensorFlow's start)
+#: checks, then Horovod's features, whose last checks end Horovod's run, in one launch (one
+#: start of Horovod and TensorFlow per rank: 97 s + 53 s as two launches, 123 s as one)
 LAUNCHES = {"launch": {c: CHECKS[c] + FEATURE_CHECKS[c] for c in CHECKS}, "seeds": SEED_CHECKS}
 
 
